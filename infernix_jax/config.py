@@ -1,0 +1,169 @@
+"""Model configuration: one frozen, hashable dataclass per model, built from an HF config.json or
+from GGUF metadata. Being hashable, it is passed to jitted functions as a static argument."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+# HF model_type / GGUF general.architecture -> our family name.
+HF_FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+}
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+SUPPORTED_HF = sorted(HF_FAMILIES)
+SUPPORTED_GGUF = sorted(GGUF_FAMILIES)
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+class ConfigError(ValueError):
+    """A model description we cannot run; the message names the problem and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str                 # llama | qwen2 | qwen3 | qwen3_moe
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    qkv_bias: bool = False      # Qwen2
+    qk_norm: bool = False       # Qwen3 / Qwen3-MoE: per-head RMSNorm on q and k before RoPE
+    # MoE (Qwen3-MoE); num_experts == 0 means dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        # transformers' Qwen3MoeDecoderLayer rule.
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    # ---- builders -------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        mt = d.get("model_type")
+        if mt not in HF_FAMILIES:
+            raise ConfigError(f"unsupported architecture {mt!r}; supported model_type values: "
+                              f"{', '.join(SUPPORTED_HF)}")
+        fam = HF_FAMILIES[mt]
+        heads = d["num_attention_heads"]
+        hidden = d["hidden_size"]
+        rope = d.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported yet (only 'default')")
+        scaling = d.get("rope_scaling") or {}
+        if (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+            raise ConfigError(f"rope_scaling {scaling} is not supported yet (only default RoPE)")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        moe = fam == "qwen3_moe"
+        return cls(
+            family=fam,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d.get("intermediate_size", 0),
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            hidden_act=d.get("hidden_act", "silu"),
+            qkv_bias=fam == "qwen2" or (fam == "llama" and bool(d.get("attention_bias", False))),
+            qk_norm=fam in ("qwen3", "qwen3_moe"),
+            num_experts=d.get("num_experts", 0) if moe else 0,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) if moe else 0,
+            moe_intermediate_size=d.get("moe_intermediate_size", 0) if moe else 0,
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)) if moe else False,
+            decoder_sparse_step=d.get("decoder_sparse_step", 1) if moe else 1,
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()) if moe else (),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} has no config.json; point --model at a Hugging Face model "
+                              f"directory, a .gguf file or an alias") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON ({e}); re-download the model") from None
+        return cls.from_hf_dict(d)
+
+    @classmethod
+    def from_gguf_fields(cls, kv: dict[str, Any], tensor_names: set[str],
+                         embed_rows: int) -> "ModelConfig":
+        """kv: GGUF metadata as plain Python values (see weights.gguf_loader.read_metadata)."""
+        arch = kv.get("general.architecture")
+        if arch not in GGUF_FAMILIES:
+            raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF)}")
+        fam = GGUF_FAMILIES[arch]
+
+        def g(key, default=None):
+            return kv.get(f"{arch}.{key}", default)
+
+        heads = int(g("attention.head_count"))
+        kv_heads = g("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):  # per-layer list in some files; ours are uniform
+            kv_heads = kv_heads[0]
+        hidden = int(g("embedding_length"))
+        head_dim = int(g("attention.key_length", hidden // heads))
+        moe = fam == "qwen3_moe"
+        eos = kv.get("tokenizer.ggml.eos_token_id")
+        eot = kv.get("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
+        return cls(
+            family=fam,
+            vocab_size=int(g("vocab_size", embed_rows)),
+            hidden_size=hidden,
+            intermediate_size=int(g("feed_forward_length", 0)),
+            num_layers=int(g("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(g("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(g("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            num_experts=int(g("expert_count", 0)) if moe else 0,
+            num_experts_per_tok=int(g("expert_used_count", 0)) if moe else 0,
+            moe_intermediate_size=int(g("expert_feed_forward_length", 0)) if moe else 0,
+            # llama.cpp normalises the top-k weights of qwen3moe unless the file says otherwise.
+            norm_topk_prob=bool(g("expert_weights_norm", True)) if moe else False,
+            bos_token_id=kv.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+

@@ -1,0 +1,5 @@
+"""Host-side generation: requests, sampling parameters, the jitted steps and the engine loop."""
+from .request import Event, Request, SamplingParams
+from .simple import Engine
+
+__all__ = ["Engine", "Event", "Request", "SamplingParams"]

@@ -1,0 +1,68 @@
+"""What the server (or a script) hands the engine, and what the engine sends back."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Callable
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raises ValueError with a message fit for an HTTP 400 body."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclasses.dataclass
+class Event:
+    """kind: "delta" (text, token_ids), "done" (finish_reason, usage) or "error" (message)."""
+    kind: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    message: str = ""
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_event: Callable[[Event], None] | None = None   # called on the engine's thread
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclasses.dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None

@@ -1,0 +1,78 @@
+"""`load_model(spec)`: alias, HF directory or .gguf file -> config, params, tokenizer."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from .config import ConfigError, ModelConfig
+from .hub import ALIASES, resolve
+from .models.params import declare_params
+from .tokenizer import Tokenizer, TokenizerError
+from .weights.common import ModelLoadError, materialize
+from .weights.gguf_io import GGUFSource, open_gguf, read_metadata
+from .weights.safetensors_io import SafetensorsSource
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Tokenizer | None
+    dtype: object
+
+
+def _load_gguf(path: Path, dtype, with_tokenizer: bool):
+    reader = open_gguf(path)
+    kv = read_metadata(reader, full_arrays=with_tokenizer)
+    src = GGUFSource(reader)
+    embed = src.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path} has no token_embd.weight tensor; it is not a language model GGUF")
+    cfg = ModelConfig.from_gguf_fields(kv, set(src.tensors), int(embed.shape[-1]))
+    tok = Tokenizer.from_gguf_metadata(kv) if with_tokenizer else None
+    params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
+    return cfg, params, tok
+
+
+def _load_hf_dir(path: Path, dtype, with_tokenizer: bool):
+    cfg = ModelConfig.from_hf_dir(path)
+    src = SafetensorsSource(path)
+    tok = Tokenizer.from_hf_dir(path) if with_tokenizer and (path / "tokenizer.json").exists() else None
+    if cfg.tie_word_embeddings is False and not src.has("lm_head.weight") and src.has("model.embed_tokens.weight"):
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # some checkpoints omit the flag
+    params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
+    return cfg, params, tok
+
+
+def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
+    """Raises ModelLoadError / ConfigError / TokenizerError with a one-line, actionable message."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = resolve(spec)
+    jdt = DTYPES[dtype]
+    try:
+        if path.is_dir():
+            cfg, params, tok = _load_hf_dir(path, jdt, with_tokenizer)
+        elif path.suffix == ".gguf" or _looks_like_gguf(path):
+            cfg, params, tok = _load_gguf(path, jdt, with_tokenizer)
+        else:
+            raise ModelLoadError(f"{path} is not a model: pass a Hugging Face model directory "
+                                 f"(config.json + safetensors), a .gguf file or an alias")
+    except (ConfigError, TokenizerError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
+                       tokenizer=tok, dtype=jdt)
+
+
+def _looks_like_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

@@ -1,0 +1,72 @@
+"""Building blocks shared by the families: RMSNorm, RoPE, gated MLP, attention over a KV cache."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_ACT = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def activation(name: str):
+    return _ACT[name]
+
+
+def rms_norm(x, w, eps: float):
+    # Statistics in fp32, result cast back before the weight multiply (as transformers does).
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float):
+    """positions [B, T] int -> cos, sin [B, T, head_dim] fp32 (NeoX / rotate_half layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq          # [B, T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)                       # [B, T, hd]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, N, hd]; cos/sin [B, T, hd]."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
+
+
+def linear(x, w, b=None):
+    """x [..., in] @ w[out, in]^T (+ b): weights stay in the checkpoints' [out, in] layout."""
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
+
+
+def gated_mlp(x, w_gate, w_up, w_down, act: str):
+    return linear(activation(act)(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def attention(q, k_cache, v_cache, q_pos, kv_len=None):
+    """Causal GQA attention of new queries against a contiguous cache.
+
+    q [B, T, nH, hd]; k_cache/v_cache [B, S, nKV, hd] already holding this step's keys;
+    q_pos [B, T] absolute positions of the queries. A key at slot s is visible iff s <= q_pos:
+    slots past a sequence's end hold stale or padding data but are always in its future.
+    Returns [B, T, nH, hd]."""
+    B, T, nH, hd = q.shape
+    nKV = k_cache.shape[2]
+    G = nH // nKV
+    qg = q.reshape(B, T, nKV, G, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    S = k_cache.shape[1]
+    visible = jnp.arange(S)[None, None, :] <= q_pos[:, :, None]              # [B, T, S]
+    if kv_len is not None:
+        visible = visible & (jnp.arange(S)[None, None, :] < kv_len[:, None, None])
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)
+    return out.reshape(B, T, nH, hd)

@@ -1,0 +1,79 @@
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder as a pure function over a params pytree.
+
+Layers are a Python loop (unrolled at trace time): scanning over stacked layer weights costs about
+2x at decode on the GPU (DESIGN.md), and per-layer arrays keep loading and sharding simple."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..config import ModelConfig
+from .layers import apply_rope, attention, gated_mlp, linear, rms_norm, rope_cos_sin
+from .moe import moe_mlp
+
+
+@struct.dataclass
+class KVCache:
+    """Contiguous per-layer cache: k[i], v[i] are [B, S, nKV, hd]."""
+    k: tuple
+    v: tuple
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def _write(cache_l, new, positions):
+    """cache_l [B, S, nKV, hd] <- new [B, T, nKV, hd] at slots positions [B, T]."""
+    b = jnp.arange(new.shape[0])[:, None]
+    return cache_l.at[b, positions].set(new.astype(cache_l.dtype), mode="drop")
+
+
+def _attn_block(cfg: ModelConfig, p, x, cos, sin, positions, k_cache, v_cache):
+    B, T, _ = x.shape
+    q = linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
+    o = attention(q, k_cache, v_cache, positions)                     # [B, T, nH, hd]
+    return linear(o.reshape(B, T, -1), p["wo"]), k_cache, v_cache
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache):
+    """tokens, positions [B, T] int32 -> final hidden states [B, T, H] (after the final norm) and
+    the updated cache. Positions give each token's slot in the cache."""
+    x = params["embed"][tokens]                                       # [B, T, H]
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    new_k, new_v = [], []
+    for i, p in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{i}"):
+            h, kc, vc = _attn_block(cfg, p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
+                                    cos, sin, positions, cache.k[i], cache.v[i])
+            x = x + h
+            y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            if cfg.is_moe_layer(i):
+                y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
+            else:
+                y = gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"], cfg.hidden_act)
+            x = x + y
+            new_k.append(kc)
+            new_v.append(vc)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def logits_from_hidden(params, cfg: ModelConfig, h):
+    """h [..., H] -> logits [..., V] in fp32."""
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)

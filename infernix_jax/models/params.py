@@ -1,0 +1,97 @@
+"""Weights declared once per family: shape, init and the names they have in HF checkpoints and GGUF
+files. Loading, random init and abstract shapes all come from `declare_params`."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    init: str                      # "normal" | "ones" | "zeros"
+    hf: str                        # safetensors name; "{e}" marks a per-expert name to stack
+    gguf: str                      # GGUF tensor name
+    hf_fused: tuple[str, int] | None = None   # (fused name, chunk index along dim -2)
+    gguf_permute_heads: int = 0    # llama GGUF: undo the interleaved-RoPE row order of q/k
+
+
+def _layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
+    H, hd, nH, nKV = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    hf, gg = f"model.layers.{i}.", f"blk.{i}."
+    permute = cfg.family == "llama"
+    s = {
+        "attn_norm": ParamSpec((H,), "ones", hf + "input_layernorm.weight", gg + "attn_norm.weight"),
+        "wq": ParamSpec((nH * hd, H), "normal", hf + "self_attn.q_proj.weight", gg + "attn_q.weight",
+                        gguf_permute_heads=nH if permute else 0),
+        "wk": ParamSpec((nKV * hd, H), "normal", hf + "self_attn.k_proj.weight", gg + "attn_k.weight",
+                        gguf_permute_heads=nKV if permute else 0),
+        "wv": ParamSpec((nKV * hd, H), "normal", hf + "self_attn.v_proj.weight", gg + "attn_v.weight"),
+        "wo": ParamSpec((H, nH * hd), "normal", hf + "self_attn.o_proj.weight", gg + "attn_output.weight"),
+        "mlp_norm": ParamSpec((H,), "ones", hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
+    }
+    if cfg.qkv_bias:
+        s["bq"] = ParamSpec((nH * hd,), "normal", hf + "self_attn.q_proj.bias", gg + "attn_q.bias",
+                            gguf_permute_heads=nH if permute else 0)
+        s["bk"] = ParamSpec((nKV * hd,), "normal", hf + "self_attn.k_proj.bias", gg + "attn_k.bias",
+                            gguf_permute_heads=nKV if permute else 0)
+        s["bv"] = ParamSpec((nKV * hd,), "normal", hf + "self_attn.v_proj.bias", gg + "attn_v.bias")
+    if cfg.qk_norm:
+        s["q_norm"] = ParamSpec((hd,), "ones", hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight")
+        s["k_norm"] = ParamSpec((hd,), "ones", hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight")
+    if cfg.is_moe_layer(i):
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        ex = hf + "mlp.experts."
+        s["router"] = ParamSpec((E, H), "normal", hf + "mlp.gate.weight", gg + "ffn_gate_inp.weight")
+        s["e_gate"] = ParamSpec((E, I, H), "normal", ex + "{e}.gate_proj.weight", gg + "ffn_gate_exps.weight",
+                                hf_fused=(ex + "gate_up_proj", 0))
+        s["e_up"] = ParamSpec((E, I, H), "normal", ex + "{e}.up_proj.weight", gg + "ffn_up_exps.weight",
+                              hf_fused=(ex + "gate_up_proj", 1))
+        s["e_down"] = ParamSpec((E, H, I), "normal", ex + "{e}.down_proj.weight", gg + "ffn_down_exps.weight",
+                                hf_fused=(ex + "down_proj", -1))
+    else:
+        I = cfg.intermediate_size
+        s["w_gate"] = ParamSpec((I, H), "normal", hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight")
+        s["w_up"] = ParamSpec((I, H), "normal", hf + "mlp.up_proj.weight", gg + "ffn_up.weight")
+        s["w_down"] = ParamSpec((H, I), "normal", hf + "mlp.down_proj.weight", gg + "ffn_down.weight")
+    return s
+
+
+def declare_params(cfg: ModelConfig) -> dict:
+    """The params pytree with a ParamSpec at every leaf."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    tree = {
+        "embed": ParamSpec((V, H), "normal", "model.embed_tokens.weight", "token_embd.weight"),
+        "layers": [_layer_specs(cfg, i) for i in range(cfg.num_layers)],
+        "final_norm": ParamSpec((H,), "ones", "model.norm.weight", "output_norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = ParamSpec((V, H), "normal", "lm_head.weight", "output.weight")
+    return tree
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), declare_params(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02):
+    """Random weights (for tests and benchmarks at real shapes without real checkpoints)."""
+    specs, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_spec)
+    keys = jax.random.split(key, len(specs))
+
+    def one(s: ParamSpec, k):
+        if s.init == "ones":
+            return jnp.ones(s.shape, dtype)
+        if s.init == "zeros":
+            return jnp.zeros(s.shape, dtype)
+        return (scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [one(s, k) for s, k in zip(specs, keys)])

@@ -1,0 +1,80 @@
+"""GGUF files through the `gguf` package: metadata, and every tensor type it can dequantize."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..models.params import ParamSpec
+from .common import ModelLoadError
+
+_ARRAY_KEYS_SKIPPED = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                       "tokenizer.ggml.scores"}
+
+
+def open_gguf(path: str | Path):
+    import gguf
+    p = Path(path)
+    if p.stat().st_size < 24:
+        raise ModelLoadError(f"{p} is too small to be a GGUF file; it is truncated: re-download it")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{p} is not a GGUF file (bad magic {magic!r}); pass a .gguf model file")
+    try:
+        return gguf.GGUFReader(str(p))
+    except Exception as e:  # truncated tensor data or header: numpy/struct errors of many kinds
+        raise ModelLoadError(f"{p} is a corrupt or truncated GGUF file ({type(e).__name__}: {e}); "
+                             f"re-download it") from None
+
+
+def field_value(field) -> Any:
+    return field.contents()
+
+
+def read_metadata(reader, full_arrays: bool = False) -> dict[str, Any]:
+    """GGUF key/values as Python values; the large tokenizer arrays only when asked for."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key in _ARRAY_KEYS_SKIPPED and not full_arrays:
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # fields gguf cannot decode are not ones we read
+            continue
+    return out
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE) back to HF's rotate_half order."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+class GGUFSource:
+    def __init__(self, reader):
+        import gguf
+        self._gguf = gguf
+        self.reader = reader
+        self.tensors = {t.name: t for t in reader.tensors}
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def fetch(self, spec: ParamSpec) -> np.ndarray:
+        t = self.tensors.get(spec.gguf)
+        if t is None:
+            raise ModelLoadError(f"tensor {spec.gguf} is missing from the GGUF file")
+        try:
+            w = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"tensor {spec.gguf} uses GGUF type {t.tensor_type.name}, which the gguf "
+                                 f"package cannot dequantize; convert the file to another type") from None
+        except Exception as e:
+            raise ModelLoadError(f"tensor {spec.gguf} cannot be read ({e}); the file may be corrupt") from None
+        w = np.asarray(w, dtype=np.float32).reshape(spec.shape) if w.size == np.prod(spec.shape) else w
+        if spec.gguf_permute_heads:
+            w = unpermute_rope_rows(w, spec.gguf_permute_heads)
+        return w
