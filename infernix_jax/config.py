@@ -39,7 +39,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
-    qkv_bias: bool = False      # Qwen2
+    qkv_bias: bool = False      # Qwen2; Llama with attention_bias
+    o_bias: bool = False        # Llama with attention_bias (o_proj has a bias too there)
     qk_norm: bool = False       # Qwen3 / Qwen3-MoE: per-head RMSNorm on q and k before RoPE
     # MoE (Qwen3-MoE); num_experts == 0 means dense.
     num_experts: int = 0
@@ -79,6 +80,8 @@ class ModelConfig:
         scaling = d.get("rope_scaling") or {}
         if (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
             raise ConfigError(f"rope_scaling {scaling} is not supported yet (only default RoPE)")
+        if d.get("mlp_bias"):
+            raise ConfigError("mlp_bias=true is not supported")
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -98,8 +101,9 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             hidden_act=d.get("hidden_act", "silu"),
             qkv_bias=fam == "qwen2" or (fam == "llama" and bool(d.get("attention_bias", False))),
+            o_bias=fam == "llama" and bool(d.get("attention_bias", False)),
             qk_norm=fam in ("qwen3", "qwen3_moe"),
-            num_experts=d.get("num_experts", 0) if moe else 0,
+            num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if moe else 0,
             num_experts_per_tok=d.get("num_experts_per_tok", 0) if moe else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", 0) if moe else 0,
             norm_topk_prob=bool(d.get("norm_topk_prob", False)) if moe else False,
@@ -157,6 +161,7 @@ class ModelConfig:
             max_position_embeddings=int(g("context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensor_names,
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            o_bias="blk.0.attn_output.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             num_experts=int(g("expert_count", 0)) if moe else 0,
             num_experts_per_tok=int(g("expert_used_count", 0)) if moe else 0,

@@ -47,7 +47,7 @@ def _attn_block(cfg: ModelConfig, p, x, cos, sin, positions, k_cache, v_cache):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
     o = attention(q, k_cache, v_cache, positions)                     # [B, T, nH, hd]
-    return linear(o.reshape(B, T, -1), p["wo"]), k_cache, v_cache
+    return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_cache, v_cache
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache):

@@ -40,6 +40,8 @@ def _layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
         s["bk"] = ParamSpec((nKV * hd,), "normal", hf + "self_attn.k_proj.bias", gg + "attn_k.bias",
                             gguf_permute_heads=nKV if permute else 0)
         s["bv"] = ParamSpec((nKV * hd,), "normal", hf + "self_attn.v_proj.bias", gg + "attn_v.bias")
+    if cfg.o_bias:
+        s["bo"] = ParamSpec((H,), "normal", hf + "self_attn.o_proj.bias", gg + "attn_output.bias")
     if cfg.qk_norm:
         s["q_norm"] = ParamSpec((hd,), "ones", hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight")
         s["k_norm"] = ParamSpec((hd,), "ones", hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight")

@@ -1,0 +1,139 @@
+"""Tiny random transformers models (the reference implementations) and GGUF files made from them."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+BASE = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=37, max_position_embeddings=512, hidden_act="silu", initializer_range=0.2,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+MOE = dict(moe_intermediate_size=12, num_experts_per_tok=2, num_experts=8, decoder_sparse_step=1,
+           mlp_only_layers=[], norm_topk_prob=True)
+
+
+def hf_config(family: str, **overrides):
+    import transformers as tf
+    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
+           "qwen3_moe": tf.Qwen3MoeConfig}[family]
+    kw = dict(BASE)
+    if family == "qwen3_moe":
+        kw.update(MOE)
+    kw.update(overrides)
+    theta = kw.pop("rope_theta", 10000.0)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return cls(**kw)
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    import transformers as tf
+    torch.manual_seed(seed)
+    cfg = hf_config(family, **overrides)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():  # norms init to ones; randomise them so a missing norm cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's convert_hf_to_gguf permute for attn_q / attn_k (HF rotate_half -> interleaved)
+    rest = w.shape[1:]
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path, family: str, qtype_for=lambda name, arr: None):
+    """Write an HF model as llama.cpp would; qtype_for(name, arr) picks a GGMLQuantizationType or None
+    (F32). Returns {hf_name: the array as the GGUF stores it, dequantized} so a reference model can be
+    given exactly the stored weights."""
+    import gguf
+    cfg = model.config
+    arch = GGUF_ARCH[family]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if family == "qwen3_moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    stored = {}
+    L = cfg.num_hidden_layers
+
+    def put(gname, hf_name, arr, permute_heads=0):
+        a = _permute(arr, permute_heads) if permute_heads else arr
+        q = qtype_for(gname, a) if a.ndim >= 2 else None
+        if q is None:
+            w.add_tensor(gname, a.astype(np.float32))
+            back = a.astype(np.float32)
+        else:
+            data = gguf.quants.quantize(a.astype(np.float32), q)
+            w.add_tensor(gname, data, raw_dtype=q)
+            back = gguf.quants.dequantize(data, q).reshape(a.shape)
+        if permute_heads:  # the reference gets the same values in HF order
+            back = back.reshape(permute_heads, back.shape[0] // permute_heads // 2, 2, *back.shape[1:]) \
+                .swapaxes(1, 2).reshape(back.shape)
+        stored[hf_name] = back
+
+    put("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", "model.norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", "lm_head.weight", sd["lm_head.weight"])
+    perm = family == "llama"
+    for i in range(L):
+        h, g = f"model.layers.{i}.", f"blk.{i}."
+        put(g + "attn_norm.weight", h + "input_layernorm.weight", sd[h + "input_layernorm.weight"])
+        put(g + "ffn_norm.weight", h + "post_attention_layernorm.weight", sd[h + "post_attention_layernorm.weight"])
+        for proj, gn, heads in (("q", "attn_q", cfg.num_attention_heads), ("k", "attn_k", cfg.num_key_value_heads),
+                                ("v", "attn_v", 0), ("o", "attn_output", 0)):
+            put(f"{g}{gn}.weight", f"{h}self_attn.{proj}_proj.weight", sd[f"{h}self_attn.{proj}_proj.weight"],
+                heads if perm else 0)
+            if f"{h}self_attn.{proj}_proj.bias" in sd:
+                put(f"{g}{gn}.bias", f"{h}self_attn.{proj}_proj.bias", sd[f"{h}self_attn.{proj}_proj.bias"],
+                    heads if perm else 0)
+        for n in ("q_norm", "k_norm"):
+            if f"{h}self_attn.{n}.weight" in sd:
+                put(f"{g}attn_{n}.weight", f"{h}self_attn.{n}.weight", sd[f"{h}self_attn.{n}.weight"])
+        if f"{h}mlp.gate.weight" in sd:
+            put(g + "ffn_gate_inp.weight", h + "mlp.gate.weight", sd[h + "mlp.gate.weight"])
+            gate_up = sd[h + "mlp.experts.gate_up_proj"]                      # [E, 2I, H]
+            I = gate_up.shape[1] // 2
+            put(g + "ffn_gate_exps.weight", h + "experts.gate", gate_up[:, :I])
+            put(g + "ffn_up_exps.weight", h + "experts.up", gate_up[:, I:])
+            put(g + "ffn_down_exps.weight", h + "mlp.experts.down_proj", sd[h + "mlp.experts.down_proj"])
+            stored[h + "mlp.experts.gate_up_proj"] = np.concatenate(
+                [stored.pop(h + "experts.gate"), stored.pop(h + "experts.up")], axis=1)
+        else:
+            for proj, gn in (("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down")):
+                put(f"{g}{gn}.weight", f"{h}mlp.{proj}_proj.weight", sd[f"{h}mlp.{proj}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def load_into(model, stored: dict):
+    sd = model.state_dict()
+    with torch.no_grad():
+        for k, v in stored.items():
+            sd[k].copy_(torch.as_tensor(v))
+    return model

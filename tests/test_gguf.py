@@ -1,0 +1,129 @@
+"""GGUF loading: tiny files written the way llama.cpp writes them (q/k row permutation for llama,
+quantized types), compared with transformers given exactly the stored weights; and the real
+SmolLM2 GGUF compared with transformers loading the same file."""
+import gguf
+import numpy as np
+import pytest
+
+from hf_reference import hf_logits, load_into, make_hf_model, write_gguf
+from infernix_jax.loader import load_model
+from infernix_jax.weights import ModelLoadError
+from test_models import RTOL, ours_full, ours_prefill_decode, rel_err
+
+Q = gguf.GGMLQuantizationType
+CASES = {
+    "llama": ("llama", dict(tie_word_embeddings=True)),
+    "llama-bias": ("llama", dict(attention_bias=True, num_key_value_heads=1)),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "qwen3moe": ("qwen3_moe", dict(norm_topk_prob=True, hidden_size=64, moe_intermediate_size=32)),
+}
+
+
+def mixed_quant(name, arr):
+    """Several block types across the file, where the row length allows them."""
+    cols = arr.shape[-1]
+    if cols % 32:
+        return None
+    choices = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16]
+    return choices[sum(map(ord, name)) % len(choices)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("quant", [False, True], ids=["f32", "quantized"])
+def test_tiny_gguf_matches_transformers(case, quant, tmp_path):
+    family, overrides = CASES[case]
+    hf = make_hf_model(family, seed=7, **overrides)
+    stored = write_gguf(hf, tmp_path / "m.gguf", family, mixed_quant if quant else (lambda n, a: None))
+    load_into(hf, stored)
+    m = load_model(str(tmp_path / "m.gguf"), with_tokenizer=False)
+    assert m.cfg.family == family
+    tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (2, 9))
+    ref = hf_logits(hf, tokens)
+    assert rel_err(ours_full(m, tokens), ref) <= RTOL
+    assert rel_err(ours_prefill_decode(m, tokens, 4), ref) <= RTOL
+
+
+def test_dequantize_k_and_iq_types_through_loader(tmp_path):
+    """K-quants and IQ types cannot be written by gguf-py, so the file holds random blocks of those
+    types; what we load must equal gguf's own dequantization, row order and shape intact."""
+    rng = np.random.default_rng(0)
+    hf = make_hf_model("qwen2", seed=1, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=64)
+    path = tmp_path / "k.gguf"
+    kinds = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+    raw = {}
+
+    def quant(name, arr):
+        if arr.shape[-1] != 256 or arr.ndim != 2 or "token_embd" in name:
+            return None
+        return kinds[len(raw) % len(kinds)] if raw.setdefault(name, True) else None
+
+    import gguf.quants as gq
+    orig_quantize = gq.quantize
+
+    def fake_quantize(a, qtype):  # random bytes of the right block layout, scales kept finite
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (a.shape[0], a.shape[1] // block * nbytes), dtype=np.uint8)
+        with np.errstate(all="ignore"):
+            back = gq.dequantize(data, qtype)
+        bad = ~np.isfinite(back).all(axis=1)
+        data[bad] = 0
+        return data
+
+    gq.quantize = fake_quantize
+    try:
+        stored = write_gguf(hf, path, "qwen2", quant)
+    finally:
+        gq.quantize = orig_quantize
+    m = load_model(str(path), with_tokenizer=False)
+    got = {
+        "model.layers.0.self_attn.q_proj.weight": m.params["layers"][0]["wq"],
+        "model.layers.0.mlp.gate_proj.weight": m.params["layers"][0]["w_gate"],
+        "model.layers.1.self_attn.o_proj.weight": m.params["layers"][1]["wo"],
+    }
+    for name, arr in got.items():
+        np.testing.assert_array_equal(np.asarray(arr), stored[name].astype(np.float32))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_logits_match_transformers_loading_the_same_file(smollm):
+    import torch
+    import transformers
+    path = smollm.path
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    tokens = np.asarray([ids])
+    ref = hf_logits(hf, tokens)
+    ours = ours_full(smollm, tokens)
+    assert rel_err(ours, ref) <= RTOL
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.99
+
+
+def test_load_errors_are_one_line_and_actionable(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(str(tmp_path / "nope.gguf"))
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a model"):
+        load_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+    hf = make_hf_model("qwen3", seed=2)
+    write_gguf(hf, tmp_path / "ok.gguf", "qwen3")
+    data = (tmp_path / "ok.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(str(tmp_path / "cut.gguf"), with_tokenizer=False)
+    (tmp_path / "bad.gguf").write_bytes(b"NOPE" + data[4:])
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        load_model(str(tmp_path / "bad.gguf"), with_tokenizer=False)
+    w = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'mamba'.*llama"):
+        load_model(str(tmp_path / "mamba.gguf"), with_tokenizer=False)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'.*qwen3"):
+        load_model(str(tmp_path / "cfg"))
