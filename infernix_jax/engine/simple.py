@@ -15,7 +15,7 @@ import numpy as np
 from ..loader import LoadedModel
 from ..models.llama import init_cache
 from . import steps
-from .request import Event, Request, Result
+from .request import Event, Request, Result, SamplingParams
 from .stops import TextTracker
 
 log = logging.getLogger("infernix.engine")
@@ -49,6 +49,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.max_batch = max_batch
         self.max_context = min(max_context or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        self.model_name = model.name
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self._queue: queue.Queue[Request | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -61,7 +62,10 @@ class Engine:
         return results
 
     # ---- device thread (server) ----------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, warmup: bool = True) -> None:
+        """Start the device thread; warmup compiles the common batch-1 shapes before the first request."""
+        if warmup:
+            self._queue.put(Request(prompt_ids=[0] * 20, params=SamplingParams(max_tokens=2, temperature=0.0)))
         self._thread = threading.Thread(target=self._loop, name="infernix-device", daemon=True)
         self._thread.start()
 

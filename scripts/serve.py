@@ -1,0 +1,47 @@
+"""infernix-serve: an OpenAI-compatible HTTP server for one model."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from scripts._common import add_model_args, run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="infernix-serve", description=__doc__)
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: %(default)s)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default %(default)s)")
+    p.add_argument("--max-context", type=int, default=None, help="cap on prompt + completion tokens")
+    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+
+    def go():
+        a = p.parse_args(argv)
+        if not 0 < a.port < 65536:
+            raise ValueError(f"--port must be between 1 and 65535, got {a.port}")
+        if a.max_batch < 1:
+            raise ValueError("--max-batch must be >= 1")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from infernix_jax.engine import Engine
+        from infernix_jax.loader import load_model
+        from server.app import create_app
+        model = load_model(a.model, dtype=a.dtype)
+        if model.tokenizer is None:
+            raise ValueError(f"{a.model} has no tokenizer (tokenizer.json); the server needs one")
+        if a.served_model_name:
+            model.name = a.served_model_name
+        engine = Engine(model, max_batch=a.max_batch, max_context=a.max_context)
+        app = create_app(engine)
+        print(f"infernix-serve: serving {model.name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+        try:
+            app.run(host=a.host, port=a.port, single_process=True, motd=False, access_log=False)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+
+    return run("infernix-serve", go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

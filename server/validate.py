@@ -1,0 +1,63 @@
+"""Small typed readers for JSON bodies: each raises a 400 naming the offending field."""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import invalid
+
+_MISSING = object()
+
+
+def get_number(body: dict, name: str, default, lo: float, hi: float):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(f"'{name}' must be a number, got {type(v).__name__}", name)
+    if not lo <= v <= hi:
+        raise invalid(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return float(v)
+
+
+def get_int(body: dict, name: str, default, lo: int, hi: int | None = None):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(f"'{name}' must be an integer, got {type(v).__name__}", name)
+    if v < lo or (hi is not None and v > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise invalid(f"'{name}' must be {bound}, got {v}", name)
+    return v
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"'{name}' must be a boolean, got {type(v).__name__}", name)
+    return v
+
+
+def get_stop(body: dict, name: str = "stop") -> tuple[str, ...]:
+    v = body.get(name)
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise invalid(f"'{name}' must be a string or a list of strings", name)
+    if len(items) > 16:
+        raise invalid(f"'{name}' may hold at most 16 strings", name)
+    if any(s == "" for s in items):
+        raise invalid(f"'{name}' strings must be non-empty", name)
+    return tuple(items)
+
+
+def get_dict(body: dict, name: str) -> dict[str, Any] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid(f"'{name}' must be an object", name)
+    return v

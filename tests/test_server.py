@@ -1,0 +1,118 @@
+"""The server over loopback with the official openai SDK and httpx."""
+import concurrent.futures as cf
+
+import httpx
+import openai
+import pytest
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_health_and_models(server_url, client):
+    assert httpx.get(server_url + "/health").json() == {"status": "ok"}
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["smollm2-135m-instruct"]
+
+
+def test_chat_completion_greedy(client):
+    r = client.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, temperature=0)
+    c = r.choices[0]
+    assert "Paris" in c.message.content and c.message.role == "assistant"
+    assert c.finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming(client):
+    full = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_max_tokens_and_stop(client):
+    r = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, stop=["Paris"])
+    assert r.choices[0].finish_reason == "stop"
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].message.content.startswith("The capital")
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model="m", messages=[{"role": "user", "content": "Write a short poem."}], temperature=1.0,
+              max_tokens=16, seed=1234)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    c = client.chat.completions.create(**{**kw, "seed": 99}).choices[0].message.content
+    assert a == b and a != c
+
+
+def test_concurrent_requests_all_answered(client):
+    def ask(i):
+        return client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=12)
+    with cf.ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(ask, range(4)))
+    assert len({o.choices[0].message.content for o in outs}) == 1
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": QUESTION, "temperature": "hot"}, "temperature"),
+    ({"messages": QUESTION, "temperature": 5}, "temperature"),
+    ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
+    ({"messages": QUESTION, "max_tokens": 10**9}, "max_tokens"),
+    ({"messages": QUESTION, "n": 2}, "n"),
+    ({"messages": QUESTION, "stop": [""]}, "stop"),
+    ({"messages": QUESTION, "stream": "yes"}, "stream"),
+])
+def test_bad_bodies_get_400_json(server_url, body, param):
+    r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_malformed_json_and_unknown_paths(server_url):
+    r = httpx.post(server_url + "/v1/chat/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server_url + "/v1/chat/completions", json=[1, 2], timeout=30)
+    assert r.status_code == 400
+    r = httpx.get(server_url + "/v1/nothing-here", timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(server_url + "/v1/chat/completions", timeout=30)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_sdk_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="between 0"):
+        client.chat.completions.create(model="m", messages=QUESTION, top_p=3)
+
+
+def test_query_string_and_developer_role_and_parts(server_url):
+    body = {"model": "m", "temperature": 0, "max_tokens": 8, "messages": [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]}
+    r = httpx.post(server_url + "/v1/chat/completions?beta=true", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_client_disconnect_mid_stream_leaves_server_healthy(server_url, client):
+    with httpx.stream("POST", server_url + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": QUESTION, "stream": True, "max_tokens": 400, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if '"content": "' in line and '""' not in line:
+                break  # walk away mid-stream
+    out = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=8)
+    assert out.choices[0].message.content
