@@ -1,0 +1,95 @@
+"""infernix-bench: decode speed of the engine, against transformers measured in the same run.
+
+  python -m scripts.bench decode [--model M] [--batch 1] [--prompt-tokens 128] [--new-tokens 128]
+
+Prints tokens/s for our engine (prefill excluded, after a warm-up run that compiles) and for
+transformers' generate() on torch with the same weights, greedy, and the ratio between them."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+
+from scripts._common import add_model_args, run
+
+
+def _ours(model, batch: int, prompt: list[int], new: int) -> float:
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    eng = Engine(model, max_batch=batch)
+
+    def once(n):
+        reqs = [Request(list(prompt), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                for _ in range(batch)]
+        t = time.perf_counter()
+        eng.generate(reqs)
+        return time.perf_counter() - t
+
+    once(new)                     # compile prefill + decode at these shapes
+    t_prefill = min(once(1) for _ in range(2))
+    t_total = min(once(new) for _ in range(2))
+    return batch * (new - 1) / (t_total - t_prefill)
+
+
+def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int) -> float | None:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    if path.is_dir():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32)
+    hf.eval()
+    ids = torch.tensor([prompt] * batch)
+
+    def once(n):
+        t = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False)
+        return time.perf_counter() - t
+
+    once(4)
+    t_prefill = min(once(1) for _ in range(2))
+    t_total = min(once(new) for _ in range(2))
+    return batch * (new - 1) / (t_total - t_prefill)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["decode"])
+    add_model_args(p)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--no-reference", action="store_true", help="skip the transformers run")
+
+    def go():
+        a = p.parse_args(argv)
+        import jax
+        from infernix_jax.loader import load_model
+        model = load_model(a.model, dtype=a.dtype)
+        prompt = list(np.random.default_rng(0).integers(100, model.cfg.vocab_size - 100, a.prompt_tokens))
+        prompt = [int(t) for t in prompt]
+        ours = _ours(model, a.batch, prompt, a.new_tokens)
+        ref = None if a.no_reference else _transformers(a.model, model.path, a.batch, prompt, a.new_tokens)
+        res = {"model": model.name, "dtype": a.dtype, "device": str(jax.devices()[0].device_kind),
+               "cpu": platform.processor() or platform.machine(), "batch": a.batch,
+               "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "jax": jax.__version__,
+               "infernix_tok_s": round(ours, 1)}
+        if ref is not None:
+            res.update(transformers_tok_s=round(ref, 1), ratio=round(ours / ref, 2))
+        print(json.dumps(res))
+
+    return run("infernix-bench", go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
