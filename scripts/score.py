@@ -27,6 +27,7 @@ def main(argv=None) -> int:
         a = p.parse_args(argv)
         with open(a.input, encoding="utf-8") as f:
             lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        import jax
         import jax.numpy as jnp
         from infernix_jax.engine.steps import bucket, full_logprobs
         from infernix_jax.loader import load_model
@@ -51,7 +52,9 @@ def main(argv=None) -> int:
             T = bucket(len(toks))
             padded = np.zeros((1, T), np.int32)
             padded[0, :len(toks)] = toks
-            lp = full_logprobs(model.params, cfg, jnp.asarray(padded), init_cache(cfg, 1, T, model.dtype))
+            # exact for the chosen dtype: no TF32 shortcut for float32 matmuls on GPUs
+            with jax.default_matmul_precision("highest" if a.dtype == "float32" else "default"):
+                lp = full_logprobs(model.params, cfg, jnp.asarray(padded), init_cache(cfg, 1, T, model.dtype))
             arrays[f"logprobs_{i}"] = np.asarray(lp[0, :len(toks)], dtype=np.float32)
         np.savez(a.output, **arrays)
         if failed:

@@ -6,6 +6,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# fp32 equivalence tests mean fp32: on GPUs XLA would otherwise use TF32 for f32 matmuls.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 
 def pytest_collection_modifyitems(config, items):
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
