@@ -27,14 +27,18 @@ class LoadedModel:
     dtype: object
 
 
+def _gguf_config(path: Path, kv: dict, src: GGUFSource) -> ModelConfig:
+    embed = src.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path} has no token_embd.weight tensor; it is not a language model GGUF")
+    return ModelConfig.from_gguf_fields(kv, set(src.tensors), int(embed.shape[-1]))
+
+
 def _load_gguf(path: Path, dtype, with_tokenizer: bool):
     reader = open_gguf(path)
     kv = read_metadata(reader, full_arrays=with_tokenizer)
     src = GGUFSource(reader)
-    embed = src.tensors.get("token_embd.weight")
-    if embed is None:
-        raise ModelLoadError(f"{path} has no token_embd.weight tensor; it is not a language model GGUF")
-    cfg = ModelConfig.from_gguf_fields(kv, set(src.tensors), int(embed.shape[-1]))
+    cfg = _gguf_config(path, kv, src)
     tok = Tokenizer.from_gguf_metadata(kv) if with_tokenizer else None
     params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
     return cfg, params, tok
@@ -48,6 +52,21 @@ def _load_hf_dir(path: Path, dtype, with_tokenizer: bool):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # some checkpoints omit the flag
     params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
     return cfg, params, tok
+
+
+def load_config(spec: str) -> ModelConfig:
+    """The config alone (no weights are read): for planning memory before a start."""
+    path = resolve(spec)
+    try:
+        if path.is_dir():
+            return ModelConfig.from_hf_dir(path)
+        if path.suffix == ".gguf" or _looks_like_gguf(path):
+            reader = open_gguf(path)
+            return _gguf_config(path, read_metadata(reader), GGUFSource(reader))
+    except ConfigError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    raise ModelLoadError(f"{path} is not a model: pass a Hugging Face model directory "
+                         f"(config.json + safetensors), a .gguf file or an alias")
 
 
 def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:

@@ -31,3 +31,39 @@ def add_model_args(p, default_model: str | None = None):
                    help="a Hugging Face model directory, a .gguf file, or an alias (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32: XLA's CPU bf16 matmuls are slow)")
+
+
+def add_engine_args(p):
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", "--max-batch", dest="max_num_seqs", type=int, default=8,
+                   help="sequences running at once (default %(default)s)")
+    g.add_argument("--max-model-len", "--max-context", dest="max_model_len", type=int, default=None,
+                   help="cap on prompt + completion tokens (default: the model's context)")
+    g.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV pool size (default: a memory fraction on GPUs, up to 1 GiB on the CPU)")
+    g.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="share of device memory for weights + KV pool + workspace (default %(default)s)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step; longer prompts are prefilled in chunks (default %(default)s)")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
+    g.add_argument("--decode-steps", type=int, default=None,
+                   help="decode steps per dispatch when no request needs the host (default 8 on GPU, 4 on CPU)")
+    g.add_argument("--attn-impl", choices=["reference", "pallas", "pallas_interpret"], default=None,
+                   help="attention implementation (default: pallas on GPU, reference jnp on CPU)")
+
+
+def engine_kwargs(a) -> dict:
+    for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.max_model_len is not None and a.max_model_len < 1:
+        raise ValueError("--max-model-len must be >= 1")
+    if a.kv_cache_gib is not None and a.kv_cache_gib <= 0:
+        raise ValueError("--kv-cache-gib must be > 0")
+    if not 0 < a.memory_fraction <= 1:
+        raise ValueError("--memory-fraction must be in (0, 1]")
+    return dict(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,
+                memory_fraction=a.memory_fraction,
+                block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
+                chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl)

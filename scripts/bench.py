@@ -19,7 +19,7 @@ from scripts._common import add_model_args, run
 
 def _ours(model, batch: int, prompt: list[int], new: int) -> float:
     from infernix_jax.engine import Engine, Request, SamplingParams
-    eng = Engine(model, max_batch=batch)
+    eng = Engine(model, max_num_seqs=batch, max_model_len=len(prompt) + new + 16)
 
     def once(n):
         reqs = [Request(list(prompt), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))

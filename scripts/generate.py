@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
 
     def go():
         a = p.parse_args(argv)
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         from infernix_jax.engine import Engine, Request
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype)
-        engine = Engine(model, max_batch=a.batch_size)
+        engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len)
         items = []  # (line dict, Request | None, error)
         for n, ln in enumerate(raw_lines, 1):
             try:

@@ -5,24 +5,36 @@ import argparse
 import logging
 import sys
 
-from scripts._common import add_model_args, run
+from scripts._common import add_engine_args, add_model_args, engine_kwargs, run
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-serve", description=__doc__)
     add_model_args(p)
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: %(default)s)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default %(default)s)")
-    p.add_argument("--max-context", type=int, default=None, help="cap on prompt + completion tokens")
     p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--plan", action="store_true",
+                   help="print what a start would allocate (weights, KV pool, ...) without loading, and exit")
 
     def go():
         a = p.parse_args(argv)
         if not 0 < a.port < 65536:
             raise ValueError(f"--port must be between 1 and 65535, got {a.port}")
-        if a.max_batch < 1:
-            raise ValueError("--max-batch must be >= 1")
+        if a.plan:
+            from infernix_jax.loader import DTYPES, load_config
+            from infernix_jax.engine.plan import make_plan
+            cfg = load_config(a.model)
+            kw = engine_kwargs(a)
+            plan = make_plan(cfg, DTYPES[a.dtype], max_model_len=min(kw["max_model_len"] or cfg.max_position_embeddings,
+                                                                      cfg.max_position_embeddings),
+                             max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
+                             kv_cache_gib=kw["kv_cache_gib"], memory_fraction=kw["memory_fraction"],
+                             max_num_batched_tokens=kw["max_num_batched_tokens"])
+            print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype})")
+            print(plan.describe())
+            return 0
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
@@ -32,7 +44,8 @@ def main(argv=None) -> int:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json); the server needs one")
         if a.served_model_name:
             model.name = a.served_model_name
-        engine = Engine(model, max_batch=a.max_batch, max_context=a.max_context)
+        engine = Engine(model, **engine_kwargs(a))
+        print(engine.plan.describe(), file=sys.stderr)
         app = create_app(engine)
         print(f"infernix-serve: serving {model.name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:

@@ -28,7 +28,7 @@ def smollm():
 @pytest.fixture(scope="session")
 def smollm_engine(smollm):
     from infernix_jax.engine import Engine
-    return Engine(smollm, max_batch=4)
+    return Engine(smollm, max_num_seqs=4, max_model_len=1024)
 
 
 @pytest.fixture(scope="session")

@@ -1,77 +1,173 @@
-"""The contiguous-cache engine on the real model: batching invariance, stops, cancellation and a
-bounded number of compilations."""
+"""The paged engine: equality with the single-request path under continuous batching, chunked
+prefill, preemption and cancellation; seeds; block accounting; a bounded number of compilations."""
 import threading
 
-from infernix_jax.engine import Request, SamplingParams
+import jax
+import numpy as np
+import pytest
+
+from infernix_jax.engine import Engine, Request, SamplingParams
 from infernix_jax.engine import steps
+from infernix_jax.loader import LoadedModel
+from infernix_jax.models import init_params
 
 
 def chat(tok, text):
     return tok.encode_chat([{"role": "user", "content": text}])
 
 
-def test_batched_greedy_equals_alone(smollm_engine, smollm):
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm):
+    """A small random Llama with SmolLM2's vocabulary and tokenizer: fast to compile, so that
+    engine behaviour can be checked at many shapes."""
+    import dataclasses
+    cfg = dataclasses.replace(smollm.cfg, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.5)
+    return LoadedModel(name="tiny", path=smollm.path, cfg=cfg, params=params, tokenizer=smollm.tokenizer,
+                       dtype=smollm.dtype)
+
+
+def alone(model, prompts, n, **engine_kw):
+    """The single-request path: each prompt on its own engine step sequence, no chunking."""
+    eng = Engine(model, max_num_seqs=1, max_num_batched_tokens=256, chunked_prefill=False, decode_steps=1,
+                 **engine_kw)
+    return [eng.generate([Request(p, greedy(n, ignore_eos=True))])[0].token_ids for p in prompts]
+
+
+def random_prompts(rng, count, lo=3, hi=120, vocab=49152):
+    return [list(map(int, rng.integers(10, vocab - 10, rng.integers(lo, hi)))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_16_concurrent_requests_equal_the_single_request_path(tiny, chunked):
+    rng = np.random.default_rng(0)
+    prompts = random_prompts(rng, 16)
+    ref = alone(tiny, prompts, 12)
+    eng = Engine(tiny, max_num_seqs=6, max_num_batched_tokens=48, chunked_prefill=chunked, decode_steps=3)
+    got = eng.generate([Request(p, greedy(12, ignore_eos=True)) for p in prompts])
+    assert [r.token_ids for r in got] == ref
+    assert eng.bm.num_free == eng.bm.num_blocks
+
+
+def test_preemption_under_a_small_pool_keeps_outputs(tiny):
+    rng = np.random.default_rng(1)
+    prompts = random_prompts(rng, 8, 40, 90)
+    ref = alone(tiny, prompts, 20)
+    eng = Engine(tiny, max_num_seqs=8, max_num_batched_tokens=64, decode_steps=2,
+                 kv_cache_gib=20 * 16 * 2 * 2 * 2 * 16 * 4 / 2**30)   # 20 blocks: forces preemption
+    got = eng.generate([Request(p, greedy(20, ignore_eos=True)) for p in prompts])
+    assert eng.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in got] == ref
+    assert eng.bm.num_free == eng.bm.num_blocks
+
+
+def test_cancelled_requests_free_blocks_and_others_are_unharmed(tiny):
+    rng = np.random.default_rng(2)
+    prompts = random_prompts(rng, 10)
+    ref = alone(tiny, prompts, 16)
+    eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=32, decode_steps=2)
+    reqs = [Request(p, greedy(16, ignore_eos=True)) for p in prompts]
+    counts = {}
+
+    def canceller(r):
+        def on_event(ev):
+            counts[r.id] = counts.get(r.id, 0) + 1
+            if counts[r.id] == 3:
+                r.cancel()
+        return on_event
+    for r in reqs[::3]:
+        r.on_event = canceller(r)
+    reqs[1].cancel()  # cancelled before it ever runs
+    got = eng.generate(reqs)
+    for i, (r, g) in enumerate(zip(reqs, got)):
+        if r.cancelled.is_set():
+            assert g.finish_reason == "abort" and len(g.token_ids) < 16
+        else:
+            assert g.token_ids == ref[i] and g.finish_reason == "length"
+    assert eng.bm.num_free == eng.bm.num_blocks and not eng.scheduler.has_work()
+
+
+def test_same_seed_same_text_alone_or_in_a_batch_of_8(tiny):
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(rng, 8)
+    sp = dict(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, ignore_eos=True)
+    eng = Engine(tiny, max_num_seqs=8, max_num_batched_tokens=64, decode_steps=4)
+    solo = Engine(tiny, max_num_seqs=1, decode_steps=1).generate([Request(prompts[5], SamplingParams(seed=42, **sp))])
+    batch = eng.generate([Request(p, SamplingParams(seed=42 if i == 5 else i, **sp)) for i, p in enumerate(prompts)])
+    assert batch[5].token_ids == solo[0].token_ids
+    assert len({tuple(r.token_ids) for r in batch}) > 1
+
+
+def test_logprobs_and_top_logprobs(tiny):
+    eng = Engine(tiny, max_num_seqs=2, decode_steps=2)
+    r = eng.generate([Request([5, 6, 7, 8], greedy(5, ignore_eos=True, logprobs=True, top_logprobs=3))])[0]
+    assert len(r.logprobs) == 5
+    for tok, lp, alts in r.logprobs:
+        assert len(alts) == 3 and alts[0][0] == tok and abs(alts[0][1] - lp) < 1e-5  # greedy: top-1
+        assert lp <= 0 and alts[0][1] >= alts[1][1] >= alts[2][1]
+
+
+def test_min_p_one_is_greedy(tiny):
+    eng = Engine(tiny, max_num_seqs=2)
+    g = eng.generate([Request([9, 8, 7], greedy(8, ignore_eos=True))])[0]
+    m = eng.generate([Request([9, 8, 7], SamplingParams(max_tokens=8, temperature=1.5, min_p=1.0, seed=1,
+                                                        ignore_eos=True))])[0]
+    assert m.token_ids == g.token_ids
+
+
+def test_after_warmup_50_random_requests_compile_nothing(tiny):
+    eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, decode_steps=4)
+    assert eng.warmup() > 0
+
+    def n():
+        return steps.mixed_step._cache_size(), steps.decode_steps._cache_size()
+    before = n()
+    rng = np.random.default_rng(4)
+    reqs = []
+    for p in random_prompts(rng, 50, 1, 50):
+        reqs.append(Request(p, SamplingParams(max_tokens=int(rng.integers(1, 64 - len(p) + 1)),
+                                              temperature=float(rng.choice([0.0, 0.7])), ignore_eos=True)))
+    eng.generate(reqs)
+    assert n() == before
+    assert eng.bm.num_free == eng.bm.num_blocks
+
+
+def test_real_model_batched_greedy_equals_alone(smollm_engine, smollm):
     tok = smollm.tokenizer
     prompts = [chat(tok, q) for q in ("What is the capital of France?", "Name a color.", "Count to three.")]
-    alone = [smollm_engine.generate([Request(p, SamplingParams(max_tokens=12, temperature=0))])[0] for p in prompts]
-    together = smollm_engine.generate([Request(p, SamplingParams(max_tokens=12, temperature=0)) for p in prompts])
-    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-    assert "Paris" in alone[0].text
+    solo = [smollm_engine.generate([Request(p, greedy(12))])[0] for p in prompts]
+    together = smollm_engine.generate([Request(p, greedy(12)) for p in prompts])
+    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
+    assert "Paris" in solo[0].text
 
 
 def test_stop_token_ids_and_ignore_eos(smollm_engine, smollm):
     p = chat(smollm.tokenizer, "What is the capital of France?")
-    r = smollm_engine.generate([Request(p, SamplingParams(max_tokens=40, temperature=0))])[0]
+    r = smollm_engine.generate([Request(p, greedy(40))])[0]
     assert r.finish_reason == "stop" and r.token_ids[-1] in smollm.tokenizer.eos_ids
-    forced = smollm_engine.generate([Request(p, SamplingParams(max_tokens=len(r.token_ids) + 3, temperature=0,
-                                                               ignore_eos=True))])[0]
+    forced = smollm_engine.generate([Request(p, greedy(len(r.token_ids) + 3, ignore_eos=True))])[0]
     assert forced.finish_reason == "length" and len(forced.token_ids) == len(r.token_ids) + 3
-    second = r.token_ids[1]
-    r2 = smollm_engine.generate([Request(p, SamplingParams(max_tokens=40, temperature=0,
-                                                           stop_token_ids=(second,)))])[0]
+    r2 = smollm_engine.generate([Request(p, greedy(40, stop_token_ids=(r.token_ids[1],)))])[0]
     assert r2.finish_reason == "stop" and r2.token_ids == r.token_ids[:2]
 
 
-def test_top_k_1_is_greedy_and_events_stream(smollm_engine, smollm):
+def test_events_stream_the_text(smollm_engine, smollm):
     p = chat(smollm.tokenizer, "Name three fruits.")
     events = []
-    g = smollm_engine.generate([Request(p, SamplingParams(max_tokens=10, temperature=0))])[0]
-    k1 = smollm_engine.generate([Request(p, SamplingParams(max_tokens=10, temperature=0.9, top_k=1, seed=3),
-                                         on_event=events.append)])[0]
-    assert k1.token_ids == g.token_ids
-    assert "".join(e.text for e in events if e.kind == "delta") == k1.text
+    r = smollm_engine.generate([Request(p, SamplingParams(max_tokens=10, temperature=0.9, top_k=1, seed=3,
+                                                          ignore_eos=True), on_event=events.append)])[0]
+    assert r.token_ids == smollm_engine.generate([Request(p, greedy(10, ignore_eos=True))])[0].token_ids
+    assert "".join(e.text for e in events if e.kind == "delta") == r.text
     assert events[-1].kind == "done" and events[-1].completion_tokens == 10
 
 
-def test_cancelled_request_stops_and_others_continue(smollm_engine, smollm):
-    p = chat(smollm.tokenizer, "Tell me a long story.")
-    victim = Request(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
-    seen = []
-
-    def on_event(ev):
-        seen.append(ev)
-        if len(seen) == 3:
-            victim.cancel()
-    victim.on_event = on_event
-    other = Request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    rv, ro = smollm_engine.generate([victim, other])
-    assert rv.finish_reason == "abort" and len(rv.token_ids) < 10
-    assert ro.finish_reason == "length" and len(ro.token_ids) == 20
-
-
-def test_prompt_lengths_in_one_bucket_compile_once(smollm_engine):
-    def n():
-        return steps.prefill._cache_size(), steps.decode._cache_size()
-    smollm_engine.generate([Request([5] * 20, SamplingParams(max_tokens=2, temperature=0))])
-    before = n()
-    for L in (17, 23, 29, 32):
-        smollm_engine.generate([Request([5] * L, SamplingParams(max_tokens=3, temperature=0))])
-    assert n() == before
-
-
-def test_device_thread_serves_queued_requests(smollm_engine, smollm):
-    from infernix_jax.engine import Engine
-    eng = Engine(smollm, max_batch=2)
+def test_device_thread_serves_queued_requests(tiny):
+    eng = Engine(tiny, max_num_seqs=2)
     eng.start(warmup=False)
     done = threading.Event()
     got = []
@@ -80,10 +176,16 @@ def test_device_thread_serves_queued_requests(smollm_engine, smollm):
         got.append(ev)
         if ev.kind == "done":
             done.set()
-    eng.submit(Request(chat(smollm.tokenizer, "Hi"), SamplingParams(max_tokens=4, temperature=0), on_event=on_event))
+    eng.submit(Request([1, 2, 3], greedy(4), on_event=on_event))
     assert done.wait(120)
     eng.stop()
     assert got[-1].finish_reason in ("stop", "length")
+
+
+def test_request_too_long_is_refused(tiny):
+    eng = Engine(tiny, max_num_seqs=2, max_model_len=64)
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        eng.add(Request([1] * 60, greedy(10)))
 
 
 def test_bucket():

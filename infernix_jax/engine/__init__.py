@@ -1,5 +1,5 @@
 """Host-side generation: requests, sampling parameters, the jitted steps and the engine loop."""
 from .request import Event, Request, SamplingParams
-from .simple import Engine
+from .engine import Engine
 
 __all__ = ["Engine", "Event", "Request", "SamplingParams"]

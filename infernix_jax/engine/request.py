@@ -15,10 +15,13 @@ class SamplingParams:
     temperature: float = 1.0      # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
+    min_p: float = 0.0            # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False        # return each sampled token's logprob
+    top_logprobs: int = 0         # and this many alternatives (<= 20)
 
     def validate(self) -> None:
         """Raises ValueError with a message fit for an HTTP 400 body."""
@@ -30,6 +33,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -40,6 +47,7 @@ class Event:
     kind: str
     text: str = ""
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple = ()          # per token: (id, logprob, ((alt id, logprob), ...))
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -66,3 +74,4 @@ class Result:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: list | None = None

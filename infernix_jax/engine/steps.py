@@ -1,5 +1,5 @@
-"""The jitted entry points. Shapes reaching them are bucketed by the caller (see `bucket`), so the
-number of compilations stays small; the cache is donated so XLA updates it in place."""
+"""The jitted entry points. Shapes reaching them are bucketed by the runner (see `bucket`), so the
+number of compilations stays small; the KV pool is donated so XLA updates it in place."""
 from __future__ import annotations
 
 from functools import partial
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from ..config import ModelConfig
 from ..models.llama import KVCache, forward, logits_from_hidden
-from .sampler import sample
+from ..models.paged import PagedKV, forward_paged
+from .sampler import SamplingArrays, sample
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -20,25 +21,36 @@ def bucket(n: int, minimum: int = 16) -> int:
     return b
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill(params, cfg: ModelConfig, tokens, lengths, cache: KVCache, keys, temperature, top_p, top_k):
-    """tokens [B, T] right-padded, lengths [B] -> first sampled token [B], its logprob [B], cache."""
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, cache = forward(params, cfg, tokens, positions, cache)
-    last = h[jnp.arange(B), lengths - 1]                                  # [B, H]
-    logits = logits_from_hidden(params, cfg, last)
-    tok, lp = sample(logits, keys, jnp.zeros((B,), jnp.int32), temperature, top_p, top_k)
-    return tok, lp, cache
+@partial(jax.jit, static_argnames=("cfg", "attn_impl", "want_top"), donate_argnames=("kv",))
+def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
+               logits_idx, steps, sampling: SamplingArrays, attn_impl: str = "reference", want_top: bool = False):
+    """A ragged batch of prefill chunks and decodes. tokens/positions/slots [N]; block_tables [B, M];
+    kv_lens, logits_idx (flat index of each row's last token), steps [B]; cu_q [B + 1].
+    Returns the sampled token of every row (and logprobs), and the pool."""
+    h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl)
+    logits = logits_from_hidden(params, cfg, h[logits_idx])                      # [B, V]
+    return sample(logits, steps, sampling, want_top), kv
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode(params, cfg: ModelConfig, tokens, positions, steps, cache: KVCache, keys, temperature, top_p, top_k):
-    """tokens, positions, steps [B] -> next token [B], its logprob [B], cache."""
-    h, cache = forward(params, cfg, tokens[:, None], positions[:, None], cache)
-    logits = logits_from_hidden(params, cfg, h[:, 0])
-    tok, lp = sample(logits, keys, steps, temperature, top_p, top_k)
-    return tok, lp, cache
+@partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "want_top"), donate_argnames=("kv",))
+def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
+                 sampling: SamplingArrays, num_steps: int, attn_impl: str = "reference", want_top: bool = False):
+    """num_steps decode steps in one dispatch. tokens (each row's last sampled token), positions (its
+    position), steps [B]; valid [B] bool marks real rows. Returns per-step outputs stacked [num_steps, B]."""
+    bs = kv.block_size
+    dropped = kv.num_blocks * bs
+
+    def one(carry, _):
+        kv, tok, pos, st = carry
+        blk = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
+        slots = jnp.where(valid, blk * bs + pos % bs, dropped)
+        kv_lens = jnp.where(valid, pos + 1, 1)
+        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, attn_impl)
+        out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top)
+        return (kv, out[0], pos + 1, st + 1), out
+
+    (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps), None, length=num_steps)
+    return outs, kv
 
 
 @partial(jax.jit, static_argnames=("cfg",))

@@ -36,7 +36,8 @@ def _write(cache_l, new, positions):
     return cache_l.at[b, positions].set(new.astype(cache_l.dtype), mode="drop")
 
 
-def _attn_block(cfg: ModelConfig, p, x, cos, sin, positions, k_cache, v_cache):
+def _attn_block(cfg: ModelConfig, p, x, cos, sin, attend):
+    """x [B, T, H] -> attention output [B, T, H]; attend(q, k, v) -> o, all [B, T, heads, hd]."""
     B, T, _ = x.shape
     q = linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -45,32 +46,40 @@ def _attn_block(cfg: ModelConfig, p, x, cos, sin, positions, k_cache, v_cache):
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
-    o = attention(q, k_cache, v_cache, positions)                     # [B, T, nH, hd]
-    return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_cache, v_cache
+    o = attend(q, k, v)                                                # [B, T, nH, hd]
+    return linear(o.reshape(B, T, -1), p["wo"], p.get("bo"))
 
 
-def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache):
-    """tokens, positions [B, T] int32 -> final hidden states [B, T, H] (after the final norm) and
-    the updated cache. Positions give each token's slot in the cache."""
+def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer):
+    """The decoder stack, generic over where K/V live. tokens, positions [B, T] int32;
+    attend_layer(i, q, k, v) stores layer i's new k/v and returns attention output.
+    Returns the final hidden states [B, T, H] (after the final norm)."""
     x = params["embed"][tokens]                                       # [B, T, H]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-    new_k, new_v = [], []
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
-            h, kc, vc = _attn_block(cfg, p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps),
-                                    cos, sin, positions, cache.k[i], cache.v[i])
-            x = x + h
+            x = x + _attn_block(cfg, p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), cos, sin,
+                                lambda q, k, v, i=i: attend_layer(i, q, k, v))
             y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             if cfg.is_moe_layer(i):
                 y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
             else:
                 y = gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"], cfg.hidden_act)
             x = x + y
-            new_k.append(kc)
-            new_v.append(vc)
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache):
+    """Contiguous-cache forward: tokens, positions [B, T] -> hidden [B, T, H], updated cache.
+    Positions give each token's slot in the cache."""
+    new_k, new_v = list(cache.k), list(cache.v)
+
+    def attend(i, q, k, v):
+        new_k[i], new_v[i] = _write(new_k[i], k, positions), _write(new_v[i], v, positions)
+        return attention(q, new_k[i], new_v[i], positions)
+
+    h = decoder(params, cfg, tokens, positions, attend)
+    return h, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
 def logits_from_hidden(params, cfg: ModelConfig, h):

@@ -1,0 +1,207 @@
+"""The engine: continuous batching over a paged KV pool. `step()` is schedule -> run -> postprocess.
+One thread owns the device: `start()` runs the loop there, `submit()` and `Request.cancel()` are
+safe from any thread, and events reach requests through their on_event callbacks."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+
+import jax
+import numpy as np
+
+from ..loader import LoadedModel
+from .block_manager import BlockManager
+from .plan import MemoryPlan, make_plan
+from .request import Event, Request, Result, SamplingParams
+from .runner import Runner, StepOutput
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+from .stops import TextTracker
+
+log = logging.getLogger("infernix.engine")
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, *, max_num_seqs: int = 8, max_model_len: int | None = None,
+                 kv_cache_gib: float | None = None, memory_fraction: float = 0.9, block_size: int = 16, max_num_batched_tokens: int = 512,
+                 chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None):
+        self.model = model
+        self.cfg = model.cfg
+        self.tokenizer = model.tokenizer
+        self.model_name = model.name
+        on_gpu = jax.devices()[0].platform == "gpu"
+        self.max_context = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        self.plan: MemoryPlan = make_plan(self.cfg, model.dtype, max_model_len=self.max_context,
+                                          max_num_seqs=max_num_seqs, block_size=block_size,
+                                          kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
+                                          max_num_batched_tokens=max_num_batched_tokens)
+        self.bm = BlockManager(self.plan.num_blocks, block_size)
+        steps = decode_steps if decode_steps is not None else (8 if on_gpu else 4)
+        # Without chunking a whole prompt must fit in one step's budget.
+        budget = max(max_num_batched_tokens, max_num_seqs, 0 if chunked_prefill else self.max_context)
+        self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps)
+        self.runner = Runner(model, self.plan.num_blocks, block_size,
+                             attn_impl or ("pallas" if on_gpu else "reference"))
+        self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
+        self._rng = np.random.default_rng()
+        self._inbox: queue.Queue[Request | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def warmup(self) -> int:
+        """Compile all step shapes now (slow on the CPU for big models; cheap insurance on GPUs)."""
+        sch = self.scheduler
+        max_blocks = self.bm.blocks_for(self.max_context + sch.decode_steps)
+        return self.runner.warmup(sch.max_num_seqs, sch.budget, max_blocks, sch.decode_steps)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt < 1:
+            raise ValueError("the prompt is empty")
+        if n_prompt + max_tokens > self.max_context:
+            raise ValueError(f"this model's context is {self.max_context} tokens; the prompt has {n_prompt} "
+                             f"tokens and max_tokens is {max_tokens}: shorten the prompt or lower max_tokens")
+
+    def add(self, req: Request) -> Sequence:
+        """Queue a request (on the device thread, or in synchronous use)."""
+        p = req.params
+        self.check_fits(len(req.prompt_ids), p.max_tokens)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        seq = Sequence(req, TextTracker(self.tokenizer, tuple(p.stop)), stop_ids)
+        seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+        seq.seed_key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
+        self.scheduler.add(seq)
+        return seq
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._drop_cancelled()
+        plan, k = self.scheduler.schedule()
+        if not plan:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing runs and the head of the queue still cannot start: it never will.
+                seq = self.scheduler.waiting[0]
+                self._emit(seq, Event("error", message="the request does not fit in the KV pool"))
+                self._finish(seq, "abort")
+            return
+        outs = self.runner.run(plan, k)
+        self._postprocess(plan, k, outs)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.req.cancelled.is_set():
+                self._finish(seq, "abort")
+
+    def _postprocess(self, plan: list[tuple[Sequence, int]], k: int, outs: list[StepOutput]) -> None:
+        for (seq, n), out in zip(plan, outs):
+            if seq.status is not Status.RUNNING:
+                continue
+            if k == 1:
+                seq.num_computed += n
+                if seq.num_pending > 0:          # a prefill chunk that did not reach the end
+                    self.bm.seal_full_blocks(seq)
+                    continue
+            for j in range(len(out.ids)):
+                if k > 1:
+                    seq.num_computed += 1
+                self._accept(seq, out, j)
+                if seq.status is not Status.RUNNING:
+                    break
+            if seq.status is Status.RUNNING:
+                self.bm.seal_full_blocks(seq)
+
+    def _accept(self, seq: Sequence, out: StepOutput, j: int) -> None:
+        t = int(out.ids[j])
+        p = seq.params
+        seq.out_ids.append(t)
+        lp = None
+        if p.logprobs:
+            alts = tuple((int(i), float(v)) for i, v in zip(out.top_ids[j][:p.top_logprobs],
+                                                           out.top_lps[j][:p.top_logprobs]))
+            lp = (t, float(out.lps[j]), alts)
+            seq.out_logprobs.append(lp)
+        if t in seq.stop_ids:
+            self._finish(seq, "stop")
+            return
+        text = seq.tracker.push(t)
+        if text or lp:
+            self._emit(seq, Event("delta", text=text, token_ids=(t,), logprobs=(lp,) if lp else ()))
+        if seq.tracker.stopped:
+            self._finish(seq, "stop")
+        elif len(seq.out_ids) >= p.max_tokens or len(seq) >= self.max_context:
+            self._finish(seq, "length")
+
+    def _emit(self, seq: Sequence, ev: Event) -> None:
+        if ev.kind == "delta":
+            seq.text_parts.append(ev.text)
+        if seq.req.on_event is not None:
+            seq.req.on_event(ev)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if reason != "abort":
+            tail = seq.tracker.finish()
+            if tail:
+                self._emit(seq, Event("delta", text=tail))
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self._emit(seq, Event("done", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
+                              completion_tokens=len(seq.out_ids)))
+
+    # ---- synchronous API (scripts, tests) ------------------------------------------------------
+    def generate(self, requests: list[Request]) -> list[Result]:
+        seqs = [self.add(r) for r in requests]
+        while any(s.status is not Status.FINISHED for s in seqs):
+            self.step()
+        return [Result(text="".join(s.text_parts), token_ids=s.out_ids, finish_reason=s.finish_reason or "abort",
+                       prompt_tokens=len(s.prompt_ids), completion_tokens=len(s.out_ids),
+                       logprobs=s.out_logprobs if s.params.logprobs else None) for s in seqs]
+
+    # ---- device thread (server) ----------------------------------------------------------------
+    def start(self, warmup: bool = True) -> None:
+        if warmup:
+            self._inbox.put(Request(prompt_ids=[0] * 20, params=SamplingParams(max_tokens=2, temperature=0.0)))
+        self._thread = threading.Thread(target=self._loop, name="infernix-device", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        self._inbox.put(req)
+
+    def stop(self) -> None:
+        if self._thread:
+            self._inbox.put(None)
+            self._thread.join(timeout=60)
+
+    def _take_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                req = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if req is None:
+                self._stopping = True
+                return
+            try:
+                self.add(req)
+            except ValueError as e:  # validated by the server already; belt and braces
+                if req.on_event:
+                    req.on_event(Event("error", message=str(e)))
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._take_inbox(block=not self.scheduler.has_work())
+            if self._stopping:
+                break
+            try:
+                self.step()
+            except Exception as e:  # the engine survives: the step's requests fail, others go on
+                log.error("step failed: %s\n%s", e, traceback.format_exc())
+                for seq in [*self.scheduler.running]:
+                    if seq.req.on_event:
+                        seq.req.on_event(Event("error", message=f"internal error: {type(e).__name__}: {e}"))
+                    self.scheduler.remove(seq)
+                self.runner.reset_kv()  # a failed dispatch may have consumed the donated pool
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._finish(seq, "abort")

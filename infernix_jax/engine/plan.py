@@ -1,0 +1,83 @@
+"""What a start allocates: weights, the KV pool, per-token KV bytes, how many tokens fit.
+Computed from the config alone, so `infernix-serve --plan` needs no weights."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from ..models.paged import kv_bytes_per_token
+from ..models.params import abstract_params
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    weights_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    workspace_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    device_bytes: int | None
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def max_tokens_in_cache(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        lines = [
+            f"weights:            {gib(self.weights_bytes)}",
+            f"KV per token:       {self.kv_bytes_per_token / 1024:.1f} KiB",
+            f"KV pool:            {gib(self.kv_pool_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens",
+            f"workspace (est.):   {gib(self.workspace_bytes)}",
+            f"max tokens cached:  {self.max_tokens_in_cache} "
+            f"(~{self.max_tokens_in_cache / self.max_model_len:.1f} sequences at max_model_len {self.max_model_len})",
+            f"max_num_seqs:       {self.max_num_seqs}",
+        ]
+        if self.device_bytes:
+            lines.append(f"device memory:      {gib(self.device_bytes)}")
+        return "\n".join(lines)
+
+
+def device_memory_bytes() -> int | None:
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # CPU backends have no memory stats
+        return None
+    return stats.get("bytes_limit")
+
+
+def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int, block_size: int = 16,
+              kv_cache_gib: float | None = None, memory_fraction: float = 0.9,
+              max_num_batched_tokens: int = 2048) -> MemoryPlan:
+    itemsize = jnp.dtype(dtype).itemsize
+    weights = sum(int(np.prod(a.shape)) * itemsize for a in jax.tree.leaves(abstract_params(cfg, dtype)))
+    per_tok = kv_bytes_per_token(cfg, dtype)
+    # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
+    widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)
+    workspace = 6 * max_num_batched_tokens * widest * 4 + 4 * max_num_seqs * cfg.vocab_size * 4
+    device = device_memory_bytes()
+    if kv_cache_gib is not None:
+        pool = int(kv_cache_gib * GiB)
+    elif device is not None:
+        pool = int(device * memory_fraction) - weights - workspace
+    else:  # CPU: every sequence at full length (plus decode look-ahead), capped at 1 GiB
+        per_seq = -(-(max_model_len + 16) // block_size) * block_size
+        pool = min(GiB, max_num_seqs * per_seq * per_tok)
+    num_blocks = pool // (per_tok * block_size)
+    min_blocks = -(-max_model_len // block_size)
+    if num_blocks < min_blocks:
+        raise ValueError(f"the KV pool ({pool / GiB:.2f} GiB) cannot hold one sequence of max_model_len "
+                         f"{max_model_len}: lower --max-model-len or raise --kv-cache-gib")
+    return MemoryPlan(weights, per_tok, block_size, int(num_blocks), workspace, max_model_len, max_num_seqs, device)

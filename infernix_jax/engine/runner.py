@@ -1,0 +1,145 @@
+"""The only caller of jitted code: packs a scheduled batch into bucketed int32 arrays, runs one
+step (or several decode steps in one dispatch), and brings the sampled tokens back in one transfer."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ..models.paged import PagedKV, init_paged_kv
+from . import steps
+from .sampler import TOP_LOGPROBS, SamplingArrays
+from .sequence import Sequence
+
+
+class StepOutput:
+    """Per scheduled row: sampled ids [k], logprobs [k], and top ids/logprobs [k, TOP] if asked."""
+
+    def __init__(self, ids, lps, top_ids=None, top_lps=None):
+        self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
+
+
+class Runner:
+    def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference"):
+        self.params = model.params
+        self.cfg = model.cfg
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.attn_impl = attn_impl
+        self.dtype = model.dtype
+        self.reset_kv()
+
+    def reset_kv(self) -> None:
+        self.kv: PagedKV = init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype)
+
+    def _sampling(self, seqs: list[Sequence], B: int) -> tuple[SamplingArrays, np.ndarray]:
+        temp = np.zeros((B,), np.float32)
+        top_p = np.ones((B,), np.float32)
+        top_k = np.zeros((B,), np.int32)
+        min_p = np.zeros((B,), np.float32)
+        keys = np.zeros((B, 2), np.uint32)
+        st = np.zeros((B,), np.int32)
+        for i, s in enumerate(seqs):
+            p = s.params
+            temp[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
+            keys[i] = s.seed_key
+            st[i] = len(s.out_ids)
+        return SamplingArrays(keys=keys, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p), st
+
+    def _block_table(self, seqs: list[Sequence], B: int) -> np.ndarray:
+        M = steps.bucket(max(len(s.block_ids) for s in seqs), minimum=1)
+        bt = np.zeros((B, M), np.int32)
+        for i, s in enumerate(seqs):
+            bt[i, :len(s.block_ids)] = s.block_ids
+        return bt
+
+    def run(self, plan: list[tuple[Sequence, int]], num_steps: int) -> list[StepOutput]:
+        seqs = [s for s, _ in plan]
+        want_top = any(s.params.logprobs for s in seqs)
+        if num_steps > 1:
+            return self._decode(seqs, num_steps, want_top)
+        return self._mixed(plan, want_top)
+
+    def _mixed(self, plan, want_top: bool) -> list[StepOutput]:
+        seqs = [s for s, _ in plan]
+        n_real = sum(n for _, n in plan)
+        N = steps.bucket(n_real)
+        B = steps.bucket(len(plan), minimum=1)
+        bs = self.block_size
+        tokens = np.zeros((N,), np.int32)
+        positions = np.zeros((N,), np.int32)
+        slots = np.full((N,), self.num_blocks * bs, np.int32)       # out of range: dropped
+        kv_lens = np.zeros((B,), np.int32)
+        cu_q = np.full((B + 1,), n_real, np.int32)
+        logits_idx = np.zeros((B,), np.int32)
+        off = 0
+        for i, (s, n) in enumerate(plan):
+            ids = s.all_ids
+            pos = np.arange(s.num_computed, s.num_computed + n)
+            tokens[off:off + n] = ids[s.num_computed:s.num_computed + n]
+            positions[off:off + n] = pos
+            blocks = np.asarray(s.block_ids, np.int32)
+            slots[off:off + n] = blocks[pos // bs] * bs + pos % bs
+            cu_q[i] = off
+            kv_lens[i] = s.num_computed + n
+            logits_idx[i] = off + n - 1
+            off += n
+        sampling, st = self._sampling(seqs, B)
+        out, self.kv = steps.mixed_step(self.params, self.cfg, self.kv, tokens, positions, slots,
+                                        self._block_table(seqs, B), kv_lens, cu_q, logits_idx, st, sampling,
+                                        attn_impl=self.attn_impl, want_top=want_top)
+        out = jax.device_get(out)
+        return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
+
+    def _decode(self, seqs: list[Sequence], k: int, want_top: bool) -> list[StepOutput]:
+        B = steps.bucket(len(seqs), minimum=1)
+        tokens = np.zeros((B,), np.int32)
+        positions = np.zeros((B,), np.int32)
+        valid = np.zeros((B,), bool)
+        for i, s in enumerate(seqs):
+            tokens[i] = s.out_ids[-1]
+            positions[i] = len(s) - 1
+            valid[i] = True
+        sampling, st = self._sampling(seqs, B)
+        out, self.kv = steps.decode_steps(self.params, self.cfg, self.kv, tokens, positions,
+                                          self._block_table(seqs, B), valid, st, sampling, num_steps=k,
+                                          attn_impl=self.attn_impl, want_top=want_top)
+        out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
+        return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
+
+    def warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int) -> int:
+        """Compile every bucketed shape the scheduler can produce under these limits, so that serving
+        never compiles. Returns the number of shapes visited."""
+        bucket = steps.bucket
+        Ns = _pow2_range(16, bucket(token_budget))
+        Bs = _pow2_range(1, bucket(max_num_seqs, minimum=1))
+        Ms = _pow2_range(1, bucket(max_blocks_per_seq, minimum=1))
+        dropped = self.num_blocks * self.block_size
+        n = 0
+        for B in Bs:
+            sampling = SamplingArrays(keys=np.zeros((B, 2), np.uint32), temperature=np.zeros((B,), np.float32),
+                                      top_p=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32),
+                                      min_p=np.zeros((B,), np.float32))
+            zeros_b = np.zeros((B,), np.int32)
+            for M in Ms:
+                bt = np.zeros((B, M), np.int32)
+                for N in (N for N in Ns if N >= B):
+                    _, self.kv = steps.mixed_step(
+                        self.params, self.cfg, self.kv, np.zeros((N,), np.int32), np.zeros((N,), np.int32),
+                        np.full((N,), dropped, np.int32), bt, np.ones((B,), np.int32),
+                        np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, sampling, attn_impl=self.attn_impl,
+                        want_top=False)
+                    n += 1
+                if decode_steps > 1:
+                    _, self.kv = steps.decode_steps(
+                        self.params, self.cfg, self.kv, zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
+                        sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False)
+                    n += 1
+        jax.block_until_ready(self.kv.k[0])
+        return n
+
+
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return out

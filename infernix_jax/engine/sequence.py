@@ -1,0 +1,47 @@
+"""A request's life inside the engine: its tokens, its blocks, how far its prefill has got."""
+from __future__ import annotations
+
+import enum
+
+from .request import Request
+from .stops import TextTracker
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, req: Request, tracker: TextTracker, stop_ids: set[int]):
+        self.req = req
+        self.id = req.id
+        self.params = req.params
+        self.prompt_ids = list(req.prompt_ids)
+        self.out_ids: list[int] = []
+        self.out_logprobs: list = []          # per token: (logprob, [(id, logprob)] top) when asked for
+        self.tracker = tracker
+        self.stop_ids = stop_ids
+        self.status = Status.WAITING
+        self.block_ids: list[int] = []
+        self.num_computed = 0                 # tokens whose K/V are in the cache
+        self.finish_reason: str | None = None
+        self.text_parts: list[str] = []
+        self.seed_key = None                  # uint32[2], set on admission
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.out_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.out_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens without K/V yet: the prompt (or a chunk of it), or the last sampled token."""
+        return len(self) - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.out_ids) and self.num_pending == 1

@@ -1,0 +1,71 @@
+"""Attention over a paged KV pool: references in pure jnp, plus the KV write.
+
+Layouts (shared by the Pallas kernels in this package):
+  k_pool, v_pool  [P, bs, nKV, hd]   P blocks of bs token slots
+  block_tables    [B, M] int32        block ids of each sequence, in order (unused entries: any id)
+  kv_lens         [B] int32           tokens in each sequence's cache, including this step's
+Ragged prefill: q [N, nH, hd] flat over the batch; cu_q [B + 1] int32 cumulative query counts.
+Query t of sequence b sits at flat index cu_q[b] + t and at position kv_lens[b] - q_len[b] + t.
+Decode: q [B, nH, hd], one query per sequence, at position kv_lens[b] - 1."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(k_pool, v_pool, k, v, slots):
+    """k, v [N, nKV, hd] into the pools at flat slot ids [N] (block * bs + offset); ids out of range
+    (padding tokens) are dropped."""
+    P, bs = k_pool.shape[:2]
+    kf = k_pool.reshape(P * bs, *k_pool.shape[2:]).at[slots].set(k.astype(k_pool.dtype), mode="drop")
+    vf = v_pool.reshape(P * bs, *v_pool.shape[2:]).at[slots].set(v.astype(v_pool.dtype), mode="drop")
+    return kf.reshape(k_pool.shape), vf.reshape(v_pool.shape)
+
+
+def _gather_seq(pool, block_tables):
+    """pool [P, bs, nKV, hd], block_tables [B, M] -> [B, M * bs, nKV, hd]."""
+    B, M = block_tables.shape
+    g = pool[block_tables]                                              # [B, M, bs, nKV, hd]
+    return g.reshape(B, M * pool.shape[1], *pool.shape[2:])
+
+
+def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, scale=None):
+    """q [B, nH, hd] -> [B, nH, hd]; each query sees its sequence's first kv_lens[b] slots."""
+    B, nH, hd = q.shape
+    nKV = k_pool.shape[2]
+    scale = hd ** -0.5 if scale is None else scale
+    K, V = _gather_seq(k_pool, block_tables), _gather_seq(v_pool, block_tables)   # [B, S, nKV, hd]
+    qg = q.reshape(B, nKV, nH // nKV, hd)
+    s = jnp.einsum("bkgd,bskd->bkgs", qg, K, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(K.shape[1])[None, :] < kv_lens[:, None]                # [B, S]
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgs,bskd->bkgd", p.astype(V.dtype), V, preferred_element_type=jnp.float32)
+    return o.reshape(B, nH, hd).astype(q.dtype)
+
+
+def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale=None):
+    """q [N, nH, hd] -> [N, nH, hd], causal within each sequence. Rows past cu_q[B] are padding
+    (their output is zero). Costs B x N x S scores: a reference, not a fast path."""
+    N, nH, hd = q.shape
+    B = kv_lens.shape[0]
+    nKV = k_pool.shape[2]
+    scale = hd ** -0.5 if scale is None else scale
+    q_lens = cu_q[1:] - cu_q[:-1]                                                  # [B]
+    t = jnp.arange(N)
+    idx = cu_q[:-1, None] + t[None, :]                                             # [B, N]
+    valid = t[None, :] < q_lens[:, None]
+    qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, N, nKV, nH // nKV, hd)              # [B, N, nKV, G, hd]
+    K, V = _gather_seq(k_pool, block_tables), _gather_seq(v_pool, block_tables)   # [B, S, nKV, hd]
+    S = K.shape[1]
+    pos = (kv_lens - q_lens)[:, None] + t[None, :]                                 # [B, N]
+    s = jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32) * scale
+    sidx = jnp.arange(S)
+    visible = (sidx[None, None, :] <= pos[:, :, None]) & (sidx[None, None, :] < kv_lens[:, None, None])
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.isnan(p), 0.0, p)                                            # padded query rows
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(V.dtype), V, preferred_element_type=jnp.float32)
+    o = o.reshape(B, N, nH, hd).astype(q.dtype)
+    dest = jnp.where(valid, idx, N)                                                # padding -> dropped
+    return jnp.zeros_like(q).at[dest.reshape(-1)].set(o.reshape(B * N, nH, hd), mode="drop")
