@@ -1,7 +1,8 @@
 """Attention over a paged KV pool: references in pure jnp, plus the KV write.
 
 Layouts (shared by the Pallas kernels in this package):
-  k_pool, v_pool  [P, bs, nKV, hd]   P blocks of bs token slots
+  k_pool, v_pool  [nKV, P, bs, hd]   P blocks of bs token slots, head-major so that one head's
+                                     block is one contiguous [bs, hd] tile
   block_tables    [B, M] int32        block ids of each sequence, in order (unused entries: any id)
   kv_lens         [B] int32           tokens in each sequence's cache, including this step's
 Ragged prefill: q [N, nH, hd] flat over the batch; cu_q [B + 1] int32 cumulative query counts.
@@ -16,23 +17,24 @@ import jax.numpy as jnp
 def write_kv(k_pool, v_pool, k, v, slots):
     """k, v [N, nKV, hd] into the pools at flat slot ids [N] (block * bs + offset); ids out of range
     (padding tokens) are dropped."""
-    P, bs = k_pool.shape[:2]
-    kf = k_pool.reshape(P * bs, *k_pool.shape[2:]).at[slots].set(k.astype(k_pool.dtype), mode="drop")
-    vf = v_pool.reshape(P * bs, *v_pool.shape[2:]).at[slots].set(v.astype(v_pool.dtype), mode="drop")
+    nKV, P, bs, hd = k_pool.shape
+    kf = k_pool.reshape(nKV, P * bs, hd).at[:, slots].set(k.swapaxes(0, 1).astype(k_pool.dtype), mode="drop")
+    vf = v_pool.reshape(nKV, P * bs, hd).at[:, slots].set(v.swapaxes(0, 1).astype(v_pool.dtype), mode="drop")
     return kf.reshape(k_pool.shape), vf.reshape(v_pool.shape)
 
 
 def _gather_seq(pool, block_tables):
-    """pool [P, bs, nKV, hd], block_tables [B, M] -> [B, M * bs, nKV, hd]."""
+    """pool [nKV, P, bs, hd], block_tables [B, M] -> [B, M * bs, nKV, hd]."""
+    nKV, _, bs, hd = pool.shape
     B, M = block_tables.shape
-    g = pool[block_tables]                                              # [B, M, bs, nKV, hd]
-    return g.reshape(B, M * pool.shape[1], *pool.shape[2:])
+    g = pool[:, block_tables]                                           # [nKV, B, M, bs, hd]
+    return g.reshape(nKV, B, M * bs, hd).transpose(1, 2, 0, 3)
 
 
 def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, scale=None):
     """q [B, nH, hd] -> [B, nH, hd]; each query sees its sequence's first kv_lens[b] slots."""
     B, nH, hd = q.shape
-    nKV = k_pool.shape[2]
+    nKV = k_pool.shape[0]
     scale = hd ** -0.5 if scale is None else scale
     K, V = _gather_seq(k_pool, block_tables), _gather_seq(v_pool, block_tables)   # [B, S, nKV, hd]
     qg = q.reshape(B, nKV, nH // nKV, hd)
@@ -49,7 +51,7 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, c
     (their output is zero). Costs B x N x S scores: a reference, not a fast path."""
     N, nH, hd = q.shape
     B = kv_lens.shape[0]
-    nKV = k_pool.shape[2]
+    nKV = k_pool.shape[0]
     scale = hd ** -0.5 if scale is None else scale
     q_lens = cu_q[1:] - cu_q[:-1]                                                  # [B]
     t = jnp.arange(N)

@@ -188,5 +188,16 @@ def test_request_too_long_is_refused(tiny):
         eng.add(Request([1] * 60, greedy(10)))
 
 
+def test_pallas_kernels_in_the_engine_match_the_reference_path(tiny):
+    """The engine with the Pallas kernels (interpret mode here) gives the reference path's tokens."""
+    rng = np.random.default_rng(5)
+    prompts = random_prompts(rng, 3, 5, 40)
+    outs = {}
+    for impl in ("reference", "pallas_interpret"):
+        eng = Engine(tiny, max_num_seqs=3, max_num_batched_tokens=32, decode_steps=2, attn_impl=impl)
+        outs[impl] = [r.token_ids for r in eng.generate([Request(p, greedy(4, ignore_eos=True)) for p in prompts])]
+    assert outs["pallas_interpret"] == outs["reference"]
+
+
 def test_bucket():
     assert [steps.bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]

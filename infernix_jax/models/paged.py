@@ -13,21 +13,21 @@ from .llama import decoder
 
 @struct.dataclass
 class PagedKV:
-    """Per-layer pools: k[i], v[i] are [P, bs, nKV, hd]."""
+    """Per-layer pools: k[i], v[i] are [nKV, P, bs, hd]."""
     k: tuple
     v: tuple
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1]
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
 def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> PagedKV:
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     return PagedKV(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 

@@ -1,0 +1,89 @@
+"""Pallas attention kernels against their jnp references on fresh random inputs: interpret mode on
+the CPU, compiled on the GPU (marked gpu). Tolerances are keyed by dtype."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_decode_attention as pda
+from pallas_kernels import ragged_paged_attention as rpa
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+
+
+def pool(rng, nKV, P, bs, hd, dtype):
+    return (jnp.asarray(rng.standard_normal((nKV, P, bs, hd)), dtype),
+            jnp.asarray(rng.standard_normal((nKV, P, bs, hd)), dtype))
+
+
+def check(out, ref, dtype):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all()
+    err = np.max(np.abs(out - ref)) / max(1.0, np.max(np.abs(ref)))
+    assert err <= TOL[dtype], err
+
+
+DECODE_CASES = [  # (nH, nKV, hd, bs, lengths, M)
+    (8, 2, 64, 16, [1, 70, 128], 8),
+    (4, 4, 128, 16, [33, 200], 16),
+    (16, 2, 128, 16, [1000, 7], 64),       # several splits
+    (8, 1, 256, 8, [31, 32, 33], 8),
+]
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_paged_decode_attention(case, dtype, interpret):
+    nH, nKV, hd, bs, lengths, M = DECODE_CASES[case]
+    if interpret and M == 64:
+        pytest.skip("long case: compiled only (interpret mode is slow)")
+    rng = np.random.default_rng(case)
+    B = len(lengths)
+    P = B * M + 3
+    k, v = pool(rng, nKV, P, bs, hd, dtype)
+    q = jnp.asarray(rng.standard_normal((B, nH, hd)), dtype)
+    bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    bsz = pda.BlockSizes(pages_per_compute_block=2, pages_per_split=4) if interpret else pda.BlockSizes()
+    out = pda.paged_decode_attention(q, k, v, bt, lens, block_sizes=bsz, interpret=interpret)
+    check(out, pda.paged_decode_attention_reference(q, k, v, bt, lens), dtype)
+
+
+RAGGED_CASES = [  # (nH, nKV, hd, bs, q_lens, ctx_before, M, N)
+    (6, 2, 32, 16, [5, 1, 37, 1], [0, 20, 11, 60], 8, 64),
+    (8, 8, 64, 16, [16, 17], [0, 100], 16, 48),
+    (4, 1, 128, 8, [70], [3], 16, 128),
+    (16, 4, 256, 16, [1, 1, 1], [5, 16, 99], 8, 16),
+]
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
+def test_ragged_paged_attention(case, dtype, interpret):
+    nH, nKV, hd, bs, q_lens, before, M, N = RAGGED_CASES[case]
+    rng = np.random.default_rng(10 + case)
+    B = len(q_lens)
+    P = B * M + 1
+    k, v = pool(rng, nKV, P, bs, hd, dtype)
+    q = jnp.asarray(rng.standard_normal((N, nH, hd)), dtype)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kv_lens = jnp.asarray([a + b for a, b in zip(q_lens, before)], jnp.int32)
+    bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    bsz = rpa.BlockSizes(block_q=16, pages_per_compute_block=2) if interpret else rpa.BlockSizes()
+    out = rpa.ragged_paged_attention(q, k, v, bt, kv_lens, cu, block_sizes=bsz, interpret=interpret)
+    ref = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu)
+    check(out, ref, dtype)
+    assert not np.asarray(out[int(cu[-1]):], np.float32).any()   # padding rows stay zero
+
+
+def test_kernels_validate_shapes():
+    q = jnp.zeros((2, 8, 64))
+    k = jnp.zeros((2, 4, 16, 32))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        pda.paged_decode_attention(q, k, k, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="do not match batch"):
+        rpa.ragged_paged_attention(jnp.zeros((4, 8, 32)), k, k, jnp.zeros((2, 2), jnp.int32),
+                                   jnp.ones((3,), jnp.int32), jnp.zeros((3,), jnp.int32), interpret=True)
