@@ -172,3 +172,23 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+
+
+def _preset(**kw) -> ModelConfig:
+    return ModelConfig(**{"rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+                          "vocab_size": 151936, **kw})
+
+
+# Real architectures by name, for benchmarks at real shapes with random weights.
+PRESETS = {
+    "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                                rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+    "qwen3-0.6b": _preset(family="qwen3", hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                          num_kv_heads=8, head_dim=128, tie_word_embeddings=True, qk_norm=True),
+    "qwen3-8b": _preset(family="qwen3", hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                        num_kv_heads=8, head_dim=128, qk_norm=True),
+    "qwen3-30b-a3b": _preset(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_layers=48,
+                             num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, num_experts=128,
+                             num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+}

@@ -29,6 +29,13 @@ class BlockSizes:
     num_stages: int = 2
 
 
+def fit_pages(bs: int, hd: int, dtype, stages: int, smem_budget: int = 160 * 1024) -> int:
+    """Most KV blocks per iteration whose K and V tiles, pipelined `stages` deep, fit in shared
+    memory (f32 tiles are twice the bf16 ones; Hopper has ~227 KiB per block)."""
+    per_page = 2 * bs * hd * jnp.dtype(dtype).itemsize * max(stages, 1)
+    return max(1, 1 << max(0, (smem_budget // per_page).bit_length() - 1))
+
+
 def _dot_nt(a, b):
     """a [m, d] x b [n, d] -> [m, n] f32 (lax.dot_general: portable across Pallas versions)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -99,7 +106,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
     gp = max(16, 1 << (G - 1).bit_length())                                   # tensor-core rows
     M = block_tables.shape[1]
     pps = min(block_sizes.pages_per_split, 1 << (M - 1).bit_length())
-    ppb = min(block_sizes.pages_per_compute_block, pps)
+    ppb = min(block_sizes.pages_per_compute_block, pps, fit_pages(bs, hd, k_pool.dtype, block_sizes.num_stages))
     splits = pl.cdiv(M, pps)
     bt = jnp.pad(block_tables, ((0, 0), (0, splits * pps - M)))
     qg = jnp.pad(q.reshape(B, nKV, G, hd), ((0, 0), (0, 0), (0, gp - G), (0, 0)))

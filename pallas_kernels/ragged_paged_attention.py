@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .paged_attention import ragged_paged_attention_reference
-from .paged_decode_attention import NEG, _compiler_params, _dot_nn, _dot_nt
+from .paged_decode_attention import NEG, _compiler_params, _dot_nn, _dot_nt, fit_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,8 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
     scale = hd ** -0.5 if scale is None else scale
     G = nH // nKV
     bq = block_sizes.block_q
-    ppb = max(1, min(block_sizes.pages_per_compute_block, M))
+    ppb = max(1, min(block_sizes.pages_per_compute_block, M,
+                     fit_pages(bs, hd, k_pool.dtype, block_sizes.num_stages, 96 * 1024)))
     Mp = pl.cdiv(M, ppb) * ppb
     bt = jnp.pad(block_tables, ((0, 0), (0, Mp - M)))
     qh = jnp.pad(q.reshape(N, nKV, G, hd).transpose(1, 2, 0, 3), ((0, 0), (0, 0), (0, bq), (0, 0)))  # [nKV, G, N+bq, hd]

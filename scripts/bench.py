@@ -64,7 +64,20 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode"])
+    p.add_argument("what", choices=["decode", "shapes"],
+                   help="decode: a real model on this machine vs transformers; shapes: random weights at "
+                        "named real shapes (GPU), see scripts/bench_shapes.py")
+    p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
+                                                          "qwen3-30b-a3b")
+    p.add_argument("--batches", default="1,8,32,64,128")
+    p.add_argument("--contexts", default="1024,8192")
+    p.add_argument("--prefill-lens", default="512,4096,16384")
+    p.add_argument("--attention", action="store_true", help="also compare the attention kernels with cuDNN")
+    p.add_argument("--tune", action="store_true", help="sweep the attention kernels' block sizes first")
+    p.add_argument("--torch-batches", default="", help="batches for transformers' static cache, e.g. 1,64")
+    p.add_argument("--attn-impl", default="pallas", choices=["pallas", "reference"])
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--out", default="bench-out")
     add_model_args(p)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -73,6 +86,14 @@ def main(argv=None) -> int:
 
     def go():
         a = p.parse_args(argv)
+        if a.what == "shapes":
+            from scripts import bench_shapes
+            if a.shape not in bench_shapes.PRESETS:
+                raise ValueError(f"unknown shape {a.shape!r}; known: {', '.join(bench_shapes.PRESETS)}")
+            ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+            bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
+                             ints(a.torch_batches), a.attn_impl, a.decode_steps, a.tune)
+            return 0
         import jax
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype)

@@ -1,0 +1,303 @@
+"""Benchmarks at real model shapes with random weights (bf16), for the GPU:
+
+  decode     tokens/s of the multi-step decode dispatch at each batch size and context, with the
+             HBM roofline (bytes one step must read / copy bandwidth measured in this run)
+  prefill    tokens/s and time to first token of one prompt of each length
+  attention  our Pallas kernels against cuDNN (jax.nn.dot_product_attention) at the same shapes,
+             and the decode kernel's share of copy bandwidth
+  torch      transformers' generate() with its static cache at the same shapes, where torch is present
+
+Results go to stdout as JSON lines as they are measured, and to OUT/bench-<shape>.json and .png."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np  # noqa: F401  (sampling arrays are numpy)
+
+from infernix_jax.config import PRESETS
+from infernix_jax.engine import steps
+from infernix_jax.engine.sampler import SamplingArrays
+from infernix_jax.models.paged import init_paged_kv, kv_bytes_per_token
+from infernix_jax.models.params import init_params
+
+GiB = 1 << 30
+
+
+def timed(fn, reps: int) -> float:
+    """Seconds per call after one warm-up call; fn must block on its result."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((2 * GiB // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + 1)
+    sec = timed(lambda: f(x).block_until_ready(), 10)
+    return 2 * x.nbytes / sec                      # read + write
+
+
+def _sampling(B):
+    return SamplingArrays(keys=np.zeros((B, 2), np.uint32), temperature=np.zeros((B,), np.float32),
+                          top_p=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32),
+                          min_p=np.zeros((B,), np.float32))
+
+
+class Bench:
+    def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas"):
+        self.shape, self.cfg = shape, PRESETS[shape]
+        self.out = out
+        self.bs, self.k, self.impl = block_size, decode_steps, impl
+        self.dtype = jnp.bfloat16
+        self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
+        self.weights_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
+        self.per_tok = kv_bytes_per_token(self.cfg, self.dtype)
+        self.bw = copy_bandwidth()
+        self.results = {"shape": shape, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                        "copy_GBps": self.bw / 1e9, "weights_GiB": self.weights_bytes / GiB, "decode": [],
+                        "prefill": [], "attention": [], "torch": []}
+
+    def emit(self, kind: str, row: dict) -> None:
+        self.results[kind].append(row)
+        print(json.dumps({"kind": kind, "shape": self.shape, **row}), flush=True)
+        (self.out / f"bench-{self.shape}.json").write_text(json.dumps(self.results, indent=1))
+
+    def decode(self, B: int, ctx: int, reps: int = 5, kv_budget_gib: float = 100.0) -> None:
+        M = -(-(ctx + self.k) // self.bs)
+        if B * M * self.bs * self.per_tok > kv_budget_gib * GiB:
+            return self.emit("decode", {"batch": B, "context": ctx, "skipped": "KV does not fit"})
+        kv = init_paged_kv(self.cfg, B * M + 1, self.bs, self.dtype)
+        bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+        tok = jnp.zeros((B,), jnp.int32)
+        pos = jnp.full((B,), ctx, jnp.int32)
+        valid = jnp.ones((B,), bool)
+        st = jnp.zeros((B,), jnp.int32)
+        samp = _sampling(B)
+        state = {"kv": kv}
+
+        def call():
+            out, state["kv"] = steps.decode_steps(self.params, self.cfg, state["kv"], tok, pos, bt, valid, st, samp,
+                                                  num_steps=self.k, attn_impl=self.impl, want_top=False)
+            out[0].block_until_ready()
+        t0 = time.perf_counter()
+        call()
+        compile_s = time.perf_counter() - t0
+        sec = timed(call, reps)
+        tok_s = B * self.k / sec
+        step_bytes = self.weights_bytes + B * (ctx + self.k / 2) * self.per_tok
+        roof = B * self.bw / step_bytes
+        self.emit("decode", {"batch": B, "context": ctx, "tok_s": round(tok_s, 1), "roofline_tok_s": round(roof, 1),
+                             "of_roofline": round(tok_s / roof, 3), "ms_per_step": round(1e3 * sec / self.k, 3),
+                             "compile_s": round(compile_s, 1)})
+        del state
+
+    def prefill(self, n: int, reps: int = 3) -> None:
+        M = -(-n // self.bs)
+        kv = init_paged_kv(self.cfg, M + 1, self.bs, self.dtype)
+        state = {"kv": kv}
+        args = (jnp.zeros((n,), jnp.int32), jnp.arange(n, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                jnp.arange(M, dtype=jnp.int32)[None], jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32),
+                jnp.asarray([n - 1], jnp.int32), jnp.zeros((1,), jnp.int32), _sampling(1))
+
+        def call():
+            out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, attn_impl=self.impl,
+                                                want_top=False)
+            out[0].block_until_ready()
+        sec = timed(call, reps)
+        self.emit("prefill", {"tokens": n, "tok_s": round(n / sec, 1), "ttft_ms": round(1e3 * sec, 2)})
+
+    def attention(self) -> None:
+        from pallas_kernels.paged_decode_attention import paged_decode_attention
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        cfg, bs = self.cfg, self.bs
+        nH, nKV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rng = jax.random.PRNGKey(1)
+        for T in (4096,):           # prefill, causal, one sequence
+            q = jax.random.normal(rng, (1, T, nH, hd), self.dtype)
+            k = jax.random.normal(rng, (1, T, nKV, hd), self.dtype)
+            v = jax.random.normal(rng, (1, T, nKV, hd), self.dtype)
+            cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+            t_cudnn = timed(lambda: cud(q, k, v).block_until_ready(), 10)
+            M = T // bs
+            kp = k[0].reshape(M, bs, nKV, hd).transpose(2, 0, 1, 3)
+            vp = v[0].reshape(M, bs, nKV, hd).transpose(2, 0, 1, 3)
+            bt = jnp.arange(M, dtype=jnp.int32)[None]
+            ours = jax.jit(lambda q: ragged_paged_attention(q, kp, vp, bt, jnp.asarray([T], jnp.int32),
+                                                            jnp.asarray([0, T], jnp.int32)))
+            t_ours = timed(lambda: ours(q[0]).block_until_ready(), 10)
+            flops = 4 * T * T / 2 * nH * hd
+            self.emit("attention", {"kind": "prefill", "tokens": T, "ours_ms": round(t_ours * 1e3, 3),
+                                    "cudnn_ms": round(t_cudnn * 1e3, 3), "vs_cudnn": round(t_cudnn / t_ours, 3),
+                                    "ours_TFLOPs": round(flops / t_ours / 1e12, 1)})
+        for B, C in ((1, 32768), (8, 32768), (64, 4096)):
+            M = C // bs
+            kp = jax.random.normal(rng, (nKV, B * M, bs, hd), self.dtype)
+            vp = jax.random.normal(rng, (nKV, B * M, bs, hd), self.dtype)
+            q = jax.random.normal(rng, (B, nH, hd), self.dtype)
+            bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+            lens = jnp.full((B,), C, jnp.int32)
+            ours = jax.jit(paged_decode_attention)
+            t_ours = timed(lambda: ours(q, kp, vp, bt, lens).block_until_ready(), 10)
+            kd = kp.reshape(nKV, B, C, hd).transpose(1, 2, 0, 3)
+            vd = vp.reshape(nKV, B, C, hd).transpose(1, 2, 0, 3)
+            cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn"))
+            try:
+                t_cudnn = timed(lambda: cud(q, kd, vd).block_until_ready(), 10)
+            except Exception as e:  # cuDNN may refuse some decode shapes
+                t_cudnn = None
+                print(json.dumps({"cudnn_decode_error": str(e)[:200]}))
+            kv_bytes = 2 * B * C * nKV * hd * 2
+            self.emit("attention", {"kind": "decode", "batch": B, "context": C, "ours_ms": round(t_ours * 1e3, 3),
+                                    "cudnn_ms": t_cudnn and round(t_cudnn * 1e3, 3),
+                                    "vs_cudnn": t_cudnn and round(t_cudnn / t_ours, 3),
+                                    "of_copy_bw": round(kv_bytes / t_ours / self.bw, 3)})
+
+    def torch_static(self, B: int, ctx: int, new: int = 32) -> None:
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            return
+        cfg = self.cfg
+        kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=ctx + new + 16)
+        if cfg.family == "qwen3_moe":
+            hcfg = transformers.Qwen3MoeConfig(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                                               moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=True, **kw)
+        elif cfg.family == "llama":
+            hcfg = transformers.LlamaConfig(**kw)
+        else:
+            hcfg = transformers.Qwen3Config(**kw)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16).eval()
+        ids = torch.randint(0, cfg.vocab_size, (B, ctx), device="cuda")
+
+        def gen(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, cache_implementation="static")
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        gen(new)   # transformers compiles the static-cache decode step on first use: warm it fully
+        gen(new)
+        t1, tn = gen(1), gen(new)
+        self.emit("torch", {"batch": B, "context": ctx, "tok_s": round(B * (new - 1) / (tn - t1), 1)})
+        del model
+        torch.cuda.empty_cache()
+
+    def tune(self) -> None:
+        """Sweep the kernels' block sizes at this shape's heads; the best go into the tuning notes."""
+        from pallas_kernels import paged_decode_attention as pda
+        from pallas_kernels import ragged_paged_attention as rpa
+        cfg, bs = self.cfg, self.bs
+        nH, nKV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rng = jax.random.PRNGKey(2)
+        for B, C in ((1, 32768), (8, 32768), (64, 4096)):
+            M = C // bs
+            kp = jax.random.normal(rng, (nKV, B * M, bs, hd), self.dtype)
+            q = jax.random.normal(rng, (B, nH, hd), self.dtype)
+            bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+            lens = jnp.full((B,), C, jnp.int32)
+            kv_bytes = 2 * B * C * nKV * hd * 2
+            best = None
+            for ppb in (8, 16):
+                for pps in (32, 64, 128):
+                    for warps in (4, 8):
+                        for stages in (2,):
+                            if ppb > pps:
+                                continue
+                            bsz = pda.BlockSizes(ppb, pps, warps, stages)
+                            try:
+                                t = timed(lambda: pda.paged_decode_attention(q, kp, kp, bt, lens, block_sizes=bsz)
+                                          .block_until_ready(), 5)
+                            except Exception:
+                                continue
+                            if best is None or t < best[0]:
+                                best = (t, bsz)
+            self.emit("attention", {"kind": "tune-decode", "batch": B, "context": C,
+                                    "best": str(best[1]), "ms": round(best[0] * 1e3, 3),
+                                    "of_copy_bw": round(kv_bytes / best[0] / self.bw, 3)})
+        T = 4096
+        M = T // bs
+        kp = jax.random.normal(rng, (nKV, M, bs, hd), self.dtype)
+        q = jax.random.normal(rng, (T, nH, hd), self.dtype)
+        bt = jnp.arange(M, dtype=jnp.int32)[None]
+        best = None
+        for bq in (64, 128):
+            for ppb in (2, 4, 8):
+                for warps in (4, 8):
+                    for stages in (2,):
+                        bsz = rpa.BlockSizes(bq, ppb, warps, stages)
+                        try:
+                            t = timed(lambda: rpa.ragged_paged_attention(
+                                q, kp, kp, bt, jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
+                                block_sizes=bsz).block_until_ready(), 5)
+                        except Exception:
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, bsz)
+        flops = 4 * T * T / 2 * nH * hd
+        self.emit("attention", {"kind": "tune-prefill", "tokens": T, "best": str(best[1]),
+                                "ms": round(best[0] * 1e3, 3), "TFLOPs": round(flops / best[0] / 1e12, 1)})
+
+    def plot(self) -> None:
+        try:
+            import matplotlib
+        except ImportError:
+            print("matplotlib is not installed (pip install -e '.[bench]'); no plot written")
+            return
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        rows = [r for r in self.results["decode"] if "tok_s" in r]
+        for ctx in sorted({r["context"] for r in rows}):
+            rs = [r for r in rows if r["context"] == ctx]
+            ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"infernix, context {ctx}")
+            ax.plot([r["batch"] for r in rs], [r["roofline_tok_s"] for r in rs], "--", label=f"HBM roofline, {ctx}")
+        tr = self.results["torch"]
+        if tr:
+            ax.plot([r["batch"] for r in tr], [r["tok_s"] for r in tr], "s:", label="transformers static cache")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{self.shape} bf16 on {self.results['device']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(self.out / f"bench-{self.shape}.png", dpi=110)
+
+
+def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torch_batches, impl: str,
+        decode_steps: int, tune: bool = False) -> dict:
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl)
+    print(json.dumps({"shape": shape, "copy_GBps": round(b.bw / 1e9, 1), "weights_GiB": round(b.weights_bytes / GiB, 2)}),
+          flush=True)
+    if tune:
+        b.tune()
+    if attention:
+        b.attention()
+    for ctx in contexts:
+        for B in batches:
+            b.decode(B, ctx)
+    for n in prefills:
+        b.prefill(n)
+    for B in torch_batches:
+        b.torch_static(B, contexts[0])
+    b.plot()
+    return b.results
+
+
+__all__ = ["run", "PRESETS"]
+
