@@ -23,8 +23,9 @@ NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    pages_per_compute_block: int = 8     # KV blocks loaded per inner iteration
-    pages_per_split: int = 32            # KV blocks per program along the sequence
+    # defaults from the sweep on an H200 (docs/benchmarks.md): qwen3-8b heads, 32K and 4K contexts
+    pages_per_compute_block: int = 16    # KV blocks loaded per inner iteration
+    pages_per_split: int = 128           # KV blocks per program along the sequence
     num_warps: int = 4
     num_stages: int = 2
 
