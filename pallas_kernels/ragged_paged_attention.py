@@ -90,7 +90,9 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
         raise ValueError(f"kv_lens {kv_lens.shape} / cu_q {cu_q.shape} do not match batch {B}")
     scale = hd ** -0.5 if scale is None else scale
     G = nH // nKV
-    bq = block_sizes.block_q
+    # the G query tiles stay resident for the whole KV walk: keep them within ~64 KiB
+    fit_q = (64 * 1024) // (G * hd * jnp.dtype(q.dtype).itemsize)
+    bq = max(16, min(block_sizes.block_q, 1 << max(0, fit_q.bit_length() - 1)))
     ppb = max(1, min(block_sizes.pages_per_compute_block, M,
                      fit_pages(bs, hd, k_pool.dtype, block_sizes.num_stages, 96 * 1024)))
     Mp = pl.cdiv(M, ppb) * ppb

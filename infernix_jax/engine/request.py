@@ -16,12 +16,20 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
     min_p: float = 0.0            # 0 = off
+    presence_penalty: float = 0.0     # OpenAI: minus this once for each token already generated
+    frequency_penalty: float = 0.0    # OpenAI: minus this per earlier occurrence in the output
+    repetition_penalty: float = 1.0   # HF/vLLM: divide (or multiply, if negative) logits of tokens
+                                      # seen in the prompt or the output
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False        # return each sampled token's logprob
     top_logprobs: int = 0         # and this many alternatives (<= 20)
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:
         """Raises ValueError with a message fit for an HTTP 400 body."""
@@ -33,6 +41,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.top_logprobs <= 20:

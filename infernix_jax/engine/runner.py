@@ -7,7 +7,7 @@ import numpy as np
 
 from ..models.paged import PagedKV, init_paged_kv
 from . import steps
-from .sampler import TOP_LOGPROBS, SamplingArrays
+from .sampler import TOP_LOGPROBS, Penalties, SamplingArrays
 from .sequence import Sequence
 
 
@@ -44,6 +44,29 @@ class Runner:
             keys[i] = s.seed_key
             st[i] = len(s.out_ids)
         return SamplingArrays(keys=keys, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p), st
+
+    def _penalties(self, seqs: list[Sequence], B: int) -> Penalties | None:
+        """Token histories of the rows that ask for penalties (None when none does: no extra work)."""
+        if not any(s.params.penalized for s in seqs):
+            return None
+        V = self.cfg.vocab_size
+        hist = [np.unique(np.asarray(s.out_ids, np.int32), return_counts=True) if s.params.penalized
+                else (np.zeros(0, np.int32), np.zeros(0, np.int64)) for s in seqs]
+        seen = [np.unique(np.asarray(s.all_ids, np.int32)) if s.params.repetition_penalty != 1 else
+                np.zeros(0, np.int32) for s in seqs]
+        L = steps.bucket(max(len(h[0]) for h in hist), minimum=16)
+        Lp = steps.bucket(max(len(x) for x in seen), minimum=16)
+        out_ids = np.full((B, L), V, np.int32)
+        out_counts = np.zeros((B, L), np.int32)
+        seen_ids = np.full((B, Lp), V, np.int32)
+        pres, freq, rep = np.zeros((B,), np.float32), np.zeros((B,), np.float32), np.ones((B,), np.float32)
+        for i, s in enumerate(seqs):
+            ids, cnt = hist[i]
+            out_ids[i, :len(ids)], out_counts[i, :len(ids)] = ids, cnt
+            seen_ids[i, :len(seen[i])] = seen[i]
+            p = s.params
+            pres[i], freq[i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        return Penalties(out_ids, out_counts, seen_ids, pres, freq, rep)
 
     def _block_table(self, seqs: list[Sequence], B: int) -> np.ndarray:
         M = steps.bucket(max(len(s.block_ids) for s in seqs), minimum=1)
@@ -86,7 +109,8 @@ class Runner:
         sampling, st = self._sampling(seqs, B)
         out, self.kv = steps.mixed_step(self.params, self.cfg, self.kv, tokens, positions, slots,
                                         self._block_table(seqs, B), kv_lens, cu_q, logits_idx, st, sampling,
-                                        attn_impl=self.attn_impl, want_top=want_top)
+                                        attn_impl=self.attn_impl, want_top=want_top,
+                                        penalties=self._penalties(seqs, B))
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
 
@@ -102,7 +126,8 @@ class Runner:
         sampling, st = self._sampling(seqs, B)
         out, self.kv = steps.decode_steps(self.params, self.cfg, self.kv, tokens, positions,
                                           self._block_table(seqs, B), valid, st, sampling, num_steps=k,
-                                          attn_impl=self.attn_impl, want_top=want_top)
+                                          attn_impl=self.attn_impl, want_top=want_top,
+                                          penalties=self._penalties(seqs, B))
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
         return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
 
@@ -127,12 +152,13 @@ class Runner:
                         self.params, self.cfg, self.kv, np.zeros((N,), np.int32), np.zeros((N,), np.int32),
                         np.full((N,), dropped, np.int32), bt, np.ones((B,), np.int32),
                         np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, sampling, attn_impl=self.attn_impl,
-                        want_top=False)
+                        want_top=False, penalties=None)
                     n += 1
                 if decode_steps > 1:
                     _, self.kv = steps.decode_steps(
                         self.params, self.cfg, self.kv, zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
-                        sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False)
+                        sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False,
+                        penalties=None)
                     n += 1
         jax.block_until_ready(self.kv.k[0])
         return n

@@ -5,8 +5,6 @@ Each request's key is fold_in(PRNGKey(seed), n) for its n-th generated token, so
 draws the same tokens whatever else shares its batch and however steps are grouped."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -24,6 +22,33 @@ class SamplingArrays:
     min_p: jax.Array          # f32, 0 = off
 
 
+@struct.dataclass
+class Penalties:
+    """Token history of each row, for presence / frequency / repetition penalties.
+    out_ids, out_counts [B, L]: distinct generated ids and how often each occurred (padding id = V);
+    seen_ids [B, Lp]: ids in the prompt or the output (padding = V); the three scales are [B]."""
+    out_ids: jax.Array
+    out_counts: jax.Array
+    seen_ids: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+
+    def dense(self, B: int, V: int):
+        """-> counts [B, V] int32 of generated tokens, seen [B, V] bool."""
+        rows = jnp.arange(B)[:, None]
+        counts = jnp.zeros((B, V), jnp.int32).at[rows, self.out_ids].add(self.out_counts, mode="drop")
+        seen = jnp.zeros((B, V), bool).at[rows, self.seen_ids].set(True, mode="drop")
+        return counts, seen
+
+
+def apply_penalties(logits, counts, seen, pen: Penalties):
+    """logits [B, V] f32 with vLLM's semantics: repetition first, then frequency and presence."""
+    r = pen.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
+
+
 def _sample_sorted(logits, keys, s: SamplingArrays):
     V = logits.shape[-1]
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
@@ -39,10 +64,13 @@ def _sample_sorted(logits, keys, s: SamplingArrays):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
 
 
-def sample(logits, steps, s: SamplingArrays, want_top: bool = False):
-    """logits [B, V] f32; steps [B] int32 (index of the token being drawn, per request).
+def sample(logits, steps, s: SamplingArrays, want_top: bool = False, penalties=None):
+    """logits [B, V] f32; steps [B] int32 (index of the token being drawn, per request);
+    penalties: None or (counts [B, V], seen [B, V], Penalties).
     Returns ids [B] int32, their logprobs [B] f32 under the model's (unscaled) distribution, and,
     when want_top, the TOP_LOGPROBS best ids and logprobs [B, TOP_LOGPROBS]."""
+    if penalties is not None:
+        logits = apply_penalties(logits, *penalties)
     greedy = jnp.argmax(logits, axis=-1)
     step_keys = jax.vmap(jax.random.fold_in)(s.keys, steps)
     sampled = jax.lax.cond(jnp.any(s.temperature > 0),
@@ -55,6 +83,3 @@ def sample(logits, steps, s: SamplingArrays, want_top: bool = False):
         out += (top_ids.astype(jnp.int32), top_lp)
     return out
 
-
-def take_rows(s: SamplingArrays, rows) -> SamplingArrays:
-    return dataclasses.replace(s, **{f.name: getattr(s, f.name)[rows] for f in dataclasses.fields(s)})
