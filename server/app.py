@@ -81,19 +81,21 @@ def create_app(engine, name: str = "infernix") -> Sanic:
         engine.submit(req)
         try:
             if meta["stream"]:
-                await _stream_chat(request, events, meta)
+                await _stream_chat(request, events, meta, engine.tokenizer)
                 return None
-            text, done = [], None
+            text, lps, done = [], [], None
             while done is None:
                 ev = await events.queue.get()
                 if ev.kind == "delta":
                     text.append(ev.text)
+                    lps.extend(ev.logprobs)
                 elif ev.kind == "done":
                     done = ev
                 else:
                     raise openai_chat.engine_error(ev.message)
+            content = openai_chat.logprobs_content(engine.tokenizer, lps) if meta["logprobs"] else None
             return json_response(openai_chat.completion_body(meta, "".join(text), done.finish_reason,
-                                                             done.prompt_tokens, done.completion_tokens))
+                                                             done.prompt_tokens, done.completion_tokens, content))
         finally:
             req.cancel()  # no-op when finished; frees the slot when the client went away
 
@@ -111,7 +113,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream_chat(request, events: EventStream, meta: dict) -> None:
+async def _stream_chat(request, events: EventStream, meta: dict, tokenizer) -> None:
     response = await request.respond(content_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await response.send(_sse(openai_chat.chunk(meta, {"role": "assistant", "content": ""})))
@@ -122,8 +124,9 @@ async def _stream_chat(request, events: EventStream, meta: dict) -> None:
             await response.send(": keep-alive\n\n")  # also how a vanished client is noticed
             continue
         if ev.kind == "delta":
-            if ev.text:
-                await response.send(_sse(openai_chat.chunk(meta, {"content": ev.text})))
+            lps = openai_chat.logprobs_content(tokenizer, ev.logprobs) if meta["logprobs"] else None
+            if ev.text or lps:
+                await response.send(_sse(openai_chat.chunk(meta, {"content": ev.text}, logprobs=lps)))
         elif ev.kind == "done":
             await response.send(_sse(openai_chat.chunk(meta, {}, ev.finish_reason)))
             if meta["include_usage"]:

@@ -16,10 +16,6 @@ from .validate import get_bool, get_dict, get_int, get_number, get_stop
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Fields we accept and do not act on (they change nothing about the answer we give).
 UNSUPPORTED_IF_SET = {
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
     "logit_bias": lambda v: bool(v),
     "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
     "n": lambda v: v not in (None, 1),
@@ -131,6 +127,10 @@ def build_request(body, engine) -> tuple[Request, dict]:
     seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
     top_k = get_int(body, "top_k", 0, -1)          # vLLM extension; -1 and 0 both mean off
     top_p = get_number(body, "top_p", 1.0, 0.0, 1.0)
+    logprobs = get_bool(body, "logprobs", False)
+    top_logprobs = get_int(body, "top_logprobs", 0, 0, 20)
+    if top_logprobs and not logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -139,6 +139,12 @@ def build_request(body, engine) -> tuple[Request, dict]:
         seed=None if seed is None else seed % (2**31),
         stop=get_stop(body),
         ignore_eos=get_bool(body, "ignore_eos", False),
+        min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=get_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     stream = get_bool(body, "stream", False)
     opts = get_dict(body, "stream_options") or {}
@@ -148,14 +154,25 @@ def build_request(body, engine) -> tuple[Request, dict]:
         "model": body.get("model") if isinstance(body.get("model"), str) else engine.model_name,
         "stream": stream,
         "include_usage": bool(opts.get("include_usage")),
+        "logprobs": logprobs,
     }
     return Request(prompt_ids=prompt, params=params), meta
 
 
-def completion_body(meta, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def logprobs_content(tokenizer, entries) -> list[dict]:
+    """Engine (id, logprob, alternatives) triples -> OpenAI's logprobs.content items."""
+    def item(tid, lp):
+        tok = tokenizer.decode([tid], skip_special_tokens=False)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    return [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in alts]} for t, lp, alts in entries]
+
+
+def completion_body(meta, text: str, finish: str, prompt_tokens: int, completion_tokens: int,
+                    logprobs: list | None = None) -> dict:
     return {
         "id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"],
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "logprobs": None if logprobs is None else {"content": logprobs},
                      "finish_reason": finish}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
@@ -165,10 +182,12 @@ def usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def chunk(meta, delta: dict | None, finish: str | None = None, usage_: dict | None = None) -> dict:
+def chunk(meta, delta: dict | None, finish: str | None = None, usage_: dict | None = None,
+          logprobs: list | None = None) -> dict:
     body = {"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"],
             "model": meta["model"],
-            "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [] if delta is None else [{"index": 0, "delta": delta,
+                                                  "logprobs": None if logprobs is None else {"content": logprobs},
                                                   "finish_reason": finish}]}
     if usage_ is not None:
         body["usage"] = usage_

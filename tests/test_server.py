@@ -76,6 +76,9 @@ def test_concurrent_requests_all_answered(client):
     ({"messages": QUESTION, "n": 2}, "n"),
     ({"messages": QUESTION, "stop": [""]}, "stop"),
     ({"messages": QUESTION, "stream": "yes"}, "stream"),
+    ({"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": QUESTION, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": QUESTION, "presence_penalty": 3}, "presence_penalty"),
 ])
 def test_bad_bodies_get_400_json(server_url, body, param):
     r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
@@ -93,6 +96,24 @@ def test_malformed_json_and_unknown_paths(server_url):
     assert r.status_code == 404 and "error" in r.json()
     r = httpx.get(server_url + "/v1/chat/completions", timeout=30)
     assert r.status_code == 405 and "error" in r.json()
+
+
+def test_logprobs_and_penalties(client):
+    r = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=6, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].token == item.token   # greedy: the chosen token is the best one
+    assert "".join(i.token for i in content) == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=6,
+                                                 logprobs=True, stream=True))
+    streamed = [i for ch in chunks if ch.choices and ch.choices[0].logprobs for i in ch.choices[0].logprobs.content]
+    assert [i.token for i in streamed] == [i.token for i in content]
+    r2 = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=6,
+                                        frequency_penalty=1.0, presence_penalty=0.5)
+    assert r2.choices[0].message.content
 
 
 def test_sdk_raises_bad_request(client):
