@@ -15,6 +15,9 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: %(default)s)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--warmup", choices=["basic", "full", "none"], default="basic",
+                   help="compile before serving: basic = the batch-1 shapes, full = every bucketed shape the "
+                        "limits allow (minutes for a big model, then no request ever waits on a compile)")
     p.add_argument("--plan", action="store_true",
                    help="print what a start would allocate (weights, KV pool, ...) without loading, and exit")
 
@@ -46,7 +49,9 @@ def main(argv=None) -> int:
             model.name = a.served_model_name
         engine = Engine(model, **engine_kwargs(a))
         print(engine.plan.describe(), file=sys.stderr)
-        app = create_app(engine)
+        if a.warmup == "full":
+            print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
+        app = create_app(engine, warmup=a.warmup == "basic")
         print(f"infernix-serve: serving {model.name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:
             app.run(host=a.host, port=a.port, single_process=True, motd=False, access_log=False)

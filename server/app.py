@@ -30,7 +30,7 @@ class EventStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
 
-def create_app(engine, name: str = "infernix") -> Sanic:
+def create_app(engine, name: str = "infernix", warmup: bool = True) -> Sanic:
     app = Sanic(name)
     app.config.REQUEST_MAX_SIZE = 64 * 1024 * 1024
     app.config.RESPONSE_TIMEOUT = 3600
@@ -39,7 +39,7 @@ def create_app(engine, name: str = "infernix") -> Sanic:
 
     @app.before_server_start
     async def start_engine(app):
-        app.ctx.engine.start()
+        app.ctx.engine.start(warmup=warmup)
 
     @app.after_server_stop
     async def stop_engine(app):

@@ -107,3 +107,14 @@ def test_pull_offline_error_names_the_fix(tmp_path, monkeypatch):
 def test_pull_is_idempotent_and_uses_the_cache(smollm):
     path = hub.pull("smollm2-135m-instruct", quiet=True)
     assert path == smollm.path and hub.sha256_file(path) == hub.ALIASES["smollm2-135m-instruct"].file_sha256
+
+
+def test_serve_plan_prints_the_allocation_without_loading(smollm):
+    r = run_cli("scripts.serve", "--plan", "--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-gib", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert "KV per token:       45.0 KiB" in r.stdout and "KV pool:            0.50 GiB" in r.stdout
+    assert "weights:" in r.stdout and "max tokens cached:  11648" in r.stdout
+    bad = run_cli("scripts.serve", "--plan", "--max-num-seqs", "0")
+    assert bad.returncode == 2 and "max-num-seqs" in bad.stderr and "Traceback" not in bad.stderr
+    small = run_cli("scripts.serve", "--plan", "--kv-cache-gib", "0.001")
+    assert small.returncode == 2 and "cannot hold one sequence" in small.stderr
