@@ -2,8 +2,9 @@
 
 Queries of all sequences are flattened into one token axis (cu_q marks where each sequence's
 chunk starts); K/V come from the paged pool. Grid (sequence, query block, kv head): a program takes
-`block_q` query tokens of one sequence and the G query heads sharing one KV head, and walks the
-sequence's KV blocks up to its causal limit with an online softmax. Programs whose query block lies
+a tile of rows = (query tokens of one sequence) x (the G query heads sharing one KV head), so that
+every K/V block loaded feeds one large matmul, and walks the sequence's KV blocks up to the tile's
+causal limit with an online softmax. Programs whose query block lies
 past their sequence's chunk exit at once, so the grid can be sized from static shapes."""
 from __future__ import annotations
 
@@ -21,59 +22,52 @@ from .paged_decode_attention import NEG, _compiler_params, _dot_nn, _dot_nt, fit
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    block_q: int = 64                  # query tokens per program
+    block_rows: int = 128              # query rows per program: tokens x (query heads of one KV head)
     pages_per_compute_block: int = 4   # KV blocks per inner iteration
     num_warps: int = 4
     num_stages: int = 2
 
 
-def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: int, ppb: int, G: int, scale: float):
+def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: int, ppb: int, gp: int, scale: float):
     # cu_ref [B + 1], lens_ref [B]; bt_ref [M] this sequence's blocks
-    # q_ref, o_ref [G, N + block_q, hd] this kv head's queries / outputs (padded by block_q rows)
+    # q_ref, o_ref [(N + block_q) * gp, hd] this kv head's queries / outputs, row = token * gp + head
+    #   (the G heads sharing the KV head, padded to gp, so one tile feeds the tensor cores)
     # k_ref, v_ref [P, bs, hd] this kv head's pool
     b, j = pl.program_id(0), pl.program_id(1)
     bs, hd = k_ref.shape[1], k_ref.shape[2]
     q_begin, q_end = cu_ref[b], cu_ref[b + 1]
     start = q_begin + j * block_q
+    rows = block_q * gp
 
     @pl.when(start < q_end)
     def _():
         kv_len = lens_ref[b]
         q_len = q_end - q_begin
-        rows = jnp.arange(block_q)
-        pos = kv_len - q_len + (start - q_begin) + rows                          # [block_q]
-        last = jnp.minimum(kv_len - q_len + (start - q_begin) + block_q, kv_len)  # exclusive
-        n_pages = pl.cdiv(last, bs)
+        tok_of_row = jnp.arange(rows) // gp
+        pos = kv_len - q_len + (start - q_begin) + tok_of_row                       # [rows]
+        last = jnp.minimum(kv_len - q_len + (start - q_begin) + block_q, kv_len)   # exclusive
         block_k = ppb * bs
-        qs = [q_ref[g, pl.ds(start, block_q), :] for g in range(G)]             # G x [block_q, hd]
+        q = q_ref[pl.ds(start * gp, rows), :]                                       # [rows, hd]
 
         def body(i, carry):
+            o, m, l = carry
             pages = bt_ref[pl.ds(i * ppb, ppb)]
             k = k_ref[pages].reshape(block_k, hd)
             v = v_ref[pages].reshape(block_k, hd)
             tok = i * block_k + jnp.arange(block_k)
-            visible = (tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len)
-            out = []
-            for g in range(G):
-                o, m, l = carry[g]
-                s = _dot_nt(qs[g], k) * scale      # [block_q, block_k]
-                s = jnp.where(visible, s, NEG)
-                m_new = jnp.maximum(m, s.max(axis=-1))
-                corr = jnp.exp(m - m_new)
-                p = jnp.exp(s - m_new[:, None])
-                out.append((o * corr[:, None] + _dot_nn(p.astype(v.dtype), v),
-                            m_new, l * corr + p.sum(axis=-1)))
-            return tuple(out)
+            s = _dot_nt(q, k) * scale                                               # [rows, block_k]
+            s = jnp.where((tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len), s, NEG)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            corr = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            return o * corr[:, None] + _dot_nn(p.astype(v.dtype), v), m_new, l * corr + p.sum(axis=-1)
 
-        init = tuple((jnp.zeros((block_q, hd), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
-                      jnp.zeros((block_q,), jnp.float32)) for _ in range(G))
-        res = jax.lax.fori_loop(0, pl.cdiv(n_pages, ppb), body, init)
-        valid = (start + rows) < q_end
-        for g in range(G):
-            o, _, l = res[g]
-            o = o / jnp.maximum(l, 1e-30)[:, None]
-            pltriton.store(o_ref.at[pl.ds(g, 1), pl.ds(start, block_q), :], o.astype(o_ref.dtype)[None],
-                           mask=valid[None, :, None])
+        init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
+        o, _, l = jax.lax.fori_loop(0, pl.cdiv(pl.cdiv(last, bs), ppb), body, init)
+        o = o / jnp.maximum(l, 1e-30)[:, None]
+        valid = (start + tok_of_row) < q_end
+        pltriton.store(o_ref.at[pl.ds(start * gp, rows), :], o.astype(o_ref.dtype), mask=valid[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale"))
@@ -90,15 +84,18 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
         raise ValueError(f"kv_lens {kv_lens.shape} / cu_q {cu_q.shape} do not match batch {B}")
     scale = hd ** -0.5 if scale is None else scale
     G = nH // nKV
-    # the G query tiles stay resident for the whole KV walk: keep them within ~64 KiB
-    fit_q = (64 * 1024) // (G * hd * jnp.dtype(q.dtype).itemsize)
-    bq = max(16, min(block_sizes.block_q, 1 << max(0, fit_q.bit_length() - 1)))
+    gp = 1 << (G - 1).bit_length()                                   # power of two for Triton tiles
+    # the query tile stays resident for the whole KV walk: keep it within ~64 KiB
+    fit = (64 * 1024) // (hd * jnp.dtype(q.dtype).itemsize)
+    rows = max(gp, min(block_sizes.block_rows, 1 << max(0, fit.bit_length() - 1)))
+    bq = max(1, rows // gp)
     ppb = max(1, min(block_sizes.pages_per_compute_block, M,
                      fit_pages(bs, hd, k_pool.dtype, block_sizes.num_stages, 96 * 1024)))
     Mp = pl.cdiv(M, ppb) * ppb
     bt = jnp.pad(block_tables, ((0, 0), (0, Mp - M)))
-    qh = jnp.pad(q.reshape(N, nKV, G, hd).transpose(1, 2, 0, 3), ((0, 0), (0, 0), (0, bq), (0, 0)))  # [nKV, G, N+bq, hd]
-    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, G=G, scale=scale)
+    qh = q.reshape(N, nKV, G, hd).transpose(1, 0, 2, 3)                              # [nKV, N, G, hd]
+    qh = jnp.pad(qh, ((0, 0), (0, bq), (0, gp - G), (0, 0))).reshape(nKV, (N + bq) * gp, hd)
+    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale)
     out = pl.pallas_call(
         kernel,
         grid=(B, pl.cdiv(N, bq), nKV),
@@ -106,17 +103,17 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
             pl.BlockSpec((B + 1,), lambda b, j, h: (0,)),
             pl.BlockSpec((B,), lambda b, j, h: (0,)),
             pl.BlockSpec((None, Mp), lambda b, j, h: (b, 0)),
-            pl.BlockSpec((None, G, N + bq, hd), lambda b, j, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, (N + bq) * gp, hd), lambda b, j, h: (h, 0, 0)),
             pl.BlockSpec((None, P, bs, hd), lambda b, j, h: (h, 0, 0, 0)),
             pl.BlockSpec((None, P, bs, hd), lambda b, j, h: (h, 0, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, G, N + bq, hd), lambda b, j, h: (h, 0, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((nKV, G, N + bq, hd), q.dtype),
+        out_specs=pl.BlockSpec((None, (N + bq) * gp, hd), lambda b, j, h: (h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((nKV, (N + bq) * gp, hd), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(block_sizes),
         name="ragged_paged_attention",
     )(cu_q.astype(jnp.int32), kv_lens.astype(jnp.int32), bt, qh, k_pool, v_pool)
-    out = out[:, :, :N].transpose(2, 0, 1, 3).reshape(N, nH, hd)
+    out = out.reshape(nKV, N + bq, gp, hd)[:, :N, :G].transpose(1, 0, 2, 3).reshape(N, nH, hd)
     valid = jnp.arange(N) < cu_q[B]
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 

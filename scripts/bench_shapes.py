@@ -238,7 +238,7 @@ class Bench:
         q = jax.random.normal(rng, (T, nH, hd), self.dtype)
         bt = jnp.arange(M, dtype=jnp.int32)[None]
         best = None
-        for bq in (64, 128):
+        for bq in (64, 128, 256):
             for ppb in (2, 4, 8):
                 for warps in (4, 8):
                     for stages in (2,):

@@ -72,7 +72,7 @@ def test_ragged_paged_attention(case, dtype, interpret):
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     kv_lens = jnp.asarray([a + b for a, b in zip(q_lens, before)], jnp.int32)
     bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
-    bsz = rpa.BlockSizes(block_q=16, pages_per_compute_block=2) if interpret else rpa.BlockSizes()
+    bsz = rpa.BlockSizes(block_rows=32, pages_per_compute_block=2) if interpret else rpa.BlockSizes()
     out = rpa.ragged_paged_attention(q, k, v, bt, kv_lens, cu, block_sizes=bsz, interpret=interpret)
     ref = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu)
     check(out, ref, dtype)
