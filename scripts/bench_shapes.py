@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np  # noqa: F401  (sampling arrays are numpy)
+import numpy as np
 
 from infernix_jax.config import PRESETS
 from infernix_jax.engine import steps
@@ -44,7 +44,6 @@ def copy_bandwidth() -> float:
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     bw_copy = 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), 10)
     bw_read = x.nbytes / timed(lambda: read(x).block_until_ready(), 10)
-    del x
     return max(bw_copy, bw_read)
 
 
@@ -100,7 +99,6 @@ class Bench:
         self.emit("decode", {"batch": B, "context": ctx, "tok_s": round(tok_s, 1), "roofline_tok_s": round(roof, 1),
                              "of_roofline": round(tok_s / roof, 3), "ms_per_step": round(1e3 * sec / self.k, 3),
                              "compile_s": round(compile_s, 1)})
-        del state
 
     def prefill(self, n: int, reps: int = 3) -> None:
         M = -(-n // self.bs)
@@ -169,6 +167,9 @@ class Bench:
             import transformers
         except ImportError:
             return
+        import gc
+        gc.collect()               # the previous batch's model is out of scope: give its memory back
+        torch.cuda.empty_cache()
         cfg = self.cfg
         kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -197,8 +198,6 @@ class Bench:
         gen(new)
         t1, tn = gen(1), gen(new)
         self.emit("torch", {"batch": B, "context": ctx, "tok_s": round(B * (new - 1) / (tn - t1), 1)})
-        del model
-        torch.cuda.empty_cache()
 
     def tune(self) -> None:
         """Sweep the kernels' block sizes at this shape's heads; the best go into the tuning notes."""

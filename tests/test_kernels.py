@@ -1,6 +1,5 @@
 """Pallas attention kernels against their jnp references on fresh random inputs: interpret mode on
 the CPU, compiled on the GPU (marked gpu). Tolerances are keyed by dtype."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..models.paged import PagedKV, init_paged_kv
 from . import steps
-from .sampler import TOP_LOGPROBS, Penalties, SamplingArrays
+from .sampler import Penalties, SamplingArrays
 from .sequence import Sequence
 
 
