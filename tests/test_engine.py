@@ -186,6 +186,8 @@ def test_request_too_long_is_refused(tiny):
     eng = Engine(tiny, max_num_seqs=2, max_model_len=64)
     with pytest.raises(ValueError, match="context is 64 tokens"):
         eng.add(Request([1] * 60, greedy(10)))
+    with pytest.raises(ValueError, match="top_p"):
+        eng.add(Request([1, 2], SamplingParams(top_p=0)))
 
 
 def test_pallas_kernels_in_the_engine_match_the_reference_path(tiny):

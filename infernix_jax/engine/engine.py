@@ -67,6 +67,7 @@ class Engine:
     def add(self, req: Request) -> Sequence:
         """Queue a request (on the device thread, or in synchronous use)."""
         p = req.params
+        p.validate()
         self.check_fits(len(req.prompt_ids), p.max_tokens)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         seq = Sequence(req, TextTracker(self.tokenizer, tuple(p.stop)), stop_ids)

@@ -85,5 +85,4 @@ class Result:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    error: str | None = None
     logprobs: list | None = None
