@@ -61,14 +61,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server_url(smollm):
+def server_url(smollm, tmp_path_factory):
     """infernix-serve with the default model, on a free loopback port, as a user would start it."""
     import subprocess
     import sys
     import time
     import httpx
     port = _free_port()
-    log = open(smollm.path.parent / "test-server.log", "w")
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--port", str(port), "--max-batch", "4"],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
