@@ -16,7 +16,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from infernix_jax.config import PRESETS
 from infernix_jax.engine import steps
@@ -45,12 +44,6 @@ def copy_bandwidth() -> float:
     bw_copy = 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), 10)
     bw_read = x.nbytes / timed(lambda: read(x).block_until_ready(), 10)
     return max(bw_copy, bw_read)
-
-
-def _sampling(B):
-    return SamplingArrays(keys=np.zeros((B, 2), np.uint32), temperature=np.zeros((B,), np.float32),
-                          top_p=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32),
-                          min_p=np.zeros((B,), np.float32))
 
 
 class Bench:
@@ -82,7 +75,7 @@ class Bench:
         pos = jnp.full((B,), ctx, jnp.int32)
         valid = jnp.ones((B,), bool)
         st = jnp.zeros((B,), jnp.int32)
-        samp = _sampling(B)
+        samp = SamplingArrays.greedy(B)
         state = {"kv": kv}
 
         def call():
@@ -106,7 +99,7 @@ class Bench:
         state = {"kv": kv}
         args = (jnp.zeros((n,), jnp.int32), jnp.arange(n, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32),
                 jnp.arange(M, dtype=jnp.int32)[None], jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32),
-                jnp.asarray([n - 1], jnp.int32), jnp.zeros((1,), jnp.int32), _sampling(1))
+                jnp.asarray([n - 1], jnp.int32), jnp.zeros((1,), jnp.int32), SamplingArrays.greedy(1))
 
         def call():
             out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, attn_impl=self.impl,

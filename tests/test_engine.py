@@ -254,3 +254,31 @@ def test_penalties_curb_repetition_on_the_real_model(smollm_engine, smollm):
 
 def test_bucket():
     assert [steps.bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+
+
+def test_chained_block_hashes_follow_the_prefix():
+    from infernix_jax.engine.block_manager import BlockManager
+    from infernix_jax.engine.sequence import Sequence
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Sequence(Request(list(range(10)), greedy(4)), None, set())
+    b = Sequence(Request(list(range(8)) + [99, 98], greedy(4)), None, set())
+    for s in (a, b):
+        bm.grow(s, 10)
+        s.num_computed = 6
+        bm.seal_full_blocks(s)                     # one full block so far
+        assert s.num_sealed == 1
+        s.out_ids.append(5)
+        s.num_computed = 11                        # two more full blocks, sealed incrementally
+        bm.seal_full_blocks(s)
+        assert s.tokens(8, 11) == s.all_ids[8:11]
+    ha = [bm.block_hash[x] for x in a.block_ids[:2]]
+    hb = [bm.block_hash[x] for x in b.block_ids[:2]]
+    assert ha == hb                                # same first 8 tokens, same chain
+    bm.grow(a, 12)
+    a.out_ids.append(7)
+    a.num_computed = 12
+    bm.seal_full_blocks(a)
+    assert bm.block_hash[a.block_ids[2]] != bm.block_hash.get(b.block_ids[2])
+    bm.release(a)
+    bm.release(b)
+    assert bm.num_free == 8 and not bm.block_hash

@@ -38,18 +38,16 @@ class BlockManager:
             seq.block_ids.append(b)
 
     def seal_full_blocks(self, seq) -> None:
-        """Record chained hashes for seq's blocks that are now full of computed tokens."""
-        ids = seq.all_ids
+        """Record chained hashes for seq's blocks that became full of computed tokens since the
+        last call (only the new ones: this runs every step)."""
         bs = self.block_size
-        parent = None
-        for j, b in enumerate(seq.block_ids):
-            if (j + 1) * bs > seq.num_computed:
-                break
-            h = self.block_hash.get(b)
-            if h is None:
-                h = chain_hash(parent, tuple(ids[j * bs:(j + 1) * bs]))
-                self.block_hash[b] = h
-            parent = h
+        j = seq.num_sealed
+        parent = self.block_hash[seq.block_ids[j - 1]] if j else None
+        while j < len(seq.block_ids) and (j + 1) * bs <= seq.num_computed:
+            parent = chain_hash(parent, tuple(seq.tokens(j * bs, (j + 1) * bs)))
+            self.block_hash[seq.block_ids[j]] = parent
+            j += 1
+        seq.num_sealed = j
 
     def release(self, seq) -> None:
         for b in reversed(seq.block_ids):
@@ -60,3 +58,4 @@ class BlockManager:
                 self.free.append(b)
         seq.block_ids = []
         seq.num_computed = 0
+        seq.num_sealed = 0

@@ -96,9 +96,8 @@ class Runner:
         logits_idx = np.zeros((B,), np.int32)
         off = 0
         for i, (s, n) in enumerate(plan):
-            ids = s.all_ids
             pos = np.arange(s.num_computed, s.num_computed + n)
-            tokens[off:off + n] = ids[s.num_computed:s.num_computed + n]
+            tokens[off:off + n] = s.tokens(s.num_computed, s.num_computed + n)
             positions[off:off + n] = pos
             blocks = np.asarray(s.block_ids, np.int32)
             slots[off:off + n] = blocks[pos // bs] * bs + pos % bs
@@ -141,9 +140,7 @@ class Runner:
         dropped = self.num_blocks * self.block_size
         n = 0
         for B in Bs:
-            sampling = SamplingArrays(keys=np.zeros((B, 2), np.uint32), temperature=np.zeros((B,), np.float32),
-                                      top_p=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32),
-                                      min_p=np.zeros((B,), np.float32))
+            sampling = SamplingArrays.greedy(B)
             zeros_b = np.zeros((B,), np.int32)
             for M in Ms:
                 bt = np.zeros((B, M), np.int32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for (OpenAI's limit)
@@ -20,6 +21,13 @@ class SamplingArrays:
     top_p: jax.Array          # f32
     top_k: jax.Array          # int32, 0 = off
     min_p: jax.Array          # f32, 0 = off
+
+    @classmethod
+    def greedy(cls, B: int) -> "SamplingArrays":
+        """Neutral rows (greedy, no filters): padding, warm-up and benchmarks."""
+        return cls(keys=np.zeros((B, 2), np.uint32), temperature=np.zeros((B,), np.float32),
+                   top_p=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32),
+                   min_p=np.zeros((B,), np.float32))
 
 
 @struct.dataclass

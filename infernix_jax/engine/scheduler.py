@@ -87,9 +87,8 @@ class Scheduler:
         steps = 1
         if self.decode_steps > 1 and plan and not self.waiting and all(s.decoding for s, _ in plan):
             steps = self.decode_steps
-            if all(self.bm.can_grow(s, s.num_computed + steps) for s, _ in plan) and \
-                    sum(max(0, self.bm.blocks_for(s.num_computed + steps) - len(s.block_ids))
-                        for s, _ in plan) <= self.bm.num_free:
+            if sum(max(0, self.bm.blocks_for(s.num_computed + steps) - len(s.block_ids))
+                   for s, _ in plan) <= self.bm.num_free:
                 for s, _ in plan:
                     self.bm.grow(s, s.num_computed + steps)
             else:

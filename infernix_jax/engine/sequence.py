@@ -25,6 +25,7 @@ class Sequence:
         self.stop_ids = stop_ids
         self.status = Status.WAITING
         self.block_ids: list[int] = []
+        self.num_sealed = 0                   # leading blocks whose chained hash is recorded
         self.num_computed = 0                 # tokens whose K/V are in the cache
         self.finish_reason: str | None = None
         self.text_parts: list[str] = []
@@ -33,6 +34,13 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.out_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building the whole list (this runs every step)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.out_ids[start - n:end - n]
+        return self.prompt_ids[start:end] + (self.out_ids[:end - n] if end > n else [])
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.out_ids)

@@ -37,14 +37,12 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
 
 
 def _attention_fns(impl: str):
-    if impl == "pallas":
-        from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk
-        return pdk.paged_decode_attention, rpk.ragged_paged_attention
-    if impl == "pallas_interpret":
+    if impl in ("pallas", "pallas_interpret"):
         from functools import partial
         from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk
-        return (partial(pdk.paged_decode_attention, interpret=True),
-                partial(rpk.ragged_paged_attention, interpret=True))
+        interpret = impl == "pallas_interpret"
+        return (partial(pdk.paged_decode_attention, interpret=interpret),
+                partial(rpk.ragged_paged_attention, interpret=interpret))
     return pa.paged_decode_attention_reference, pa.ragged_paged_attention_reference
 
 
