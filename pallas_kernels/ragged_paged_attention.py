@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .paged_attention import ragged_paged_attention_reference
-from .paged_decode_attention import NEG, _compiler_params, _dot_nn, _dot_nt, fit_pages
+from .paged_decode_attention import LOG2E, NEG, _compiler_params, _dot_nn, _dot_nt, fit_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,27 +44,34 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: in
         kv_len = lens_ref[b]
         q_len = q_end - q_begin
         tok_of_row = jnp.arange(rows) // gp
-        pos = kv_len - q_len + (start - q_begin) + tok_of_row                       # [rows]
+        pos0 = kv_len - q_len + (start - q_begin)                                   # the tile's first position
+        pos = pos0 + tok_of_row                                                     # [rows]
         last = jnp.minimum(kv_len - q_len + (start - q_begin) + block_q, kv_len)   # exclusive
         block_k = ppb * bs
         q = q_ref[pl.ds(start * gp, rows), :]                                       # [rows, hd]
 
-        def body(i, carry):
+        def body(i, carry, masked: bool):
             o, m, l = carry
             pages = bt_ref[pl.ds(i * ppb, ppb)]
             k = k_ref[pages].reshape(block_k, hd)
             v = v_ref[pages].reshape(block_k, hd)
-            tok = i * block_k + jnp.arange(block_k)
-            s = _dot_nt(q, k) * scale                                               # [rows, block_k]
-            s = jnp.where((tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len), s, NEG)
+            s = _dot_nt(q, k) * scale                                               # [rows, block_k], log2 units
+            if masked:
+                tok = i * block_k + jnp.arange(block_k)
+                s = jnp.where((tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len), s, NEG)
             m_new = jnp.maximum(m, s.max(axis=-1))
-            corr = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[:, None])
+            corr = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - m_new[:, None])
             return o * corr[:, None] + _dot_nn(p.astype(v.dtype), v), m_new, l * corr + p.sum(axis=-1)
 
         init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
                 jnp.zeros((rows,), jnp.float32))
-        o, _, l = jax.lax.fori_loop(0, pl.cdiv(pl.cdiv(last, bs), ppb), body, init)
+        # KV blocks wholly at or before the tile's first query position need no mask; only the
+        # blocks on the causal diagonal (and the ragged end) pay for it
+        n_full = (pos0 + 1) // block_k
+        n_all = pl.cdiv(pl.cdiv(last, bs), ppb)
+        carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
+        o, _, l = jax.lax.fori_loop(n_full, n_all, functools.partial(body, masked=True), carry)
         o = o / jnp.maximum(l, 1e-30)[:, None]
         valid = (start + tok_of_row) < q_end
         pltriton.store(o_ref.at[pl.ds(start * gp, rows), :], o.astype(o_ref.dtype), mask=valid[:, None])
@@ -95,7 +102,7 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
     bt = jnp.pad(block_tables, ((0, 0), (0, Mp - M)))
     qh = q.reshape(N, nKV, G, hd).transpose(1, 0, 2, 3)                              # [nKV, N, G, hd]
     qh = jnp.pad(qh, ((0, 0), (0, bq), (0, gp - G), (0, 0))).reshape(nKV, (N + bq) * gp, hd)
-    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale)
+    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale * LOG2E)
     out = pl.pallas_call(
         kernel,
         grid=(B, pl.cdiv(N, bq), nKV),

@@ -11,6 +11,7 @@ Results go to stdout as JSON lines as they are measured, and to OUT/bench-<shape
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -26,23 +27,30 @@ from infernix_jax.models.params import init_params
 GiB = 1 << 30
 
 
-def timed(fn, reps: int) -> float:
-    """Seconds per call after one warm-up call; fn must block on its result."""
+def timed(fn, reps: int, warm_s: float = 0.3) -> float:
+    """Median seconds per call. Calls fn for warm_s first: an idle GPU runs its clocks low for the
+    first few milliseconds, and the first call compiles. fn must block on its result."""
+    t_end = time.perf_counter() + warm_s
     fn()
-    t = time.perf_counter()
-    for _ in range(reps):
+    while time.perf_counter() < t_end:
         fn()
-    return (time.perf_counter() - t) / reps
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:
-    """HBM bandwidth measured here: the better of a 4 GiB copy (read + write) and a 4 GiB read (sum).
-    Decode steps mostly read, so the roofline uses whichever the device does fastest."""
-    x = jnp.ones((2 * GiB,), jnp.bfloat16)
+    """HBM bandwidth measured here, counting bytes read plus bytes written: the better of a 2 GiB
+    copy and a 2 GiB read (a sum), far larger than the L2. Decode steps mostly read, so the roofline
+    uses whichever the device does fastest."""
+    x = (jnp.arange(GiB, dtype=jnp.uint32) % 251).astype(jnp.bfloat16) - 125   # never zeros
     copy = jax.jit(lambda a: a * 2)
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    bw_copy = 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), 10)
-    bw_read = x.nbytes / timed(lambda: read(x).block_until_ready(), 10)
+    bw_copy = 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), 20)
+    bw_read = x.nbytes / timed(lambda: read(x).block_until_ready(), 20)
     return max(bw_copy, bw_read)
 
 
@@ -51,6 +59,8 @@ class Bench:
         self.shape, self.cfg = shape, PRESETS[shape]
         self.out = out
         self.bs, self.k, self.impl = block_size, decode_steps, impl
+        # other ragged-kernel tiles for attention() to time beside the default: (rows, blocks, warps, stages)
+        self.prefill_alternatives = ((64, 4, 4, 3), (128, 4, 4, 3), (128, 8, 8, 2))
         self.dtype = jnp.bfloat16
         self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
         self.weights_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
@@ -110,6 +120,7 @@ class Bench:
 
     def attention(self) -> None:
         from pallas_kernels.paged_decode_attention import paged_decode_attention
+        from pallas_kernels.ragged_paged_attention import BlockSizes as RaggedBlockSizes
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         cfg, bs = self.cfg, self.bs
         nH, nKV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -124,13 +135,15 @@ class Bench:
             kp = k[0].reshape(M, bs, nKV, hd).transpose(2, 0, 1, 3)
             vp = v[0].reshape(M, bs, nKV, hd).transpose(2, 0, 1, 3)
             bt = jnp.arange(M, dtype=jnp.int32)[None]
-            ours = jax.jit(lambda q: ragged_paged_attention(q, kp, vp, bt, jnp.asarray([T], jnp.int32),
-                                                            jnp.asarray([0, T], jnp.int32)))
-            t_ours = timed(lambda: ours(q[0]).block_until_ready(), 10)
+            lens, cu = jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32)
             flops = 4 * T * T / 2 * nH * hd
-            self.emit("attention", {"kind": "prefill", "tokens": T, "ours_ms": round(t_ours * 1e3, 3),
-                                    "cudnn_ms": round(t_cudnn * 1e3, 3), "vs_cudnn": round(t_cudnn / t_ours, 3),
-                                    "ours_TFLOPs": round(flops / t_ours / 1e12, 1)})
+            for bsz in (RaggedBlockSizes(), *(RaggedBlockSizes(*a) for a in self.prefill_alternatives)):
+                t_ours = timed(lambda: ragged_paged_attention(q[0], kp, vp, bt, lens, cu, block_sizes=bsz)
+                               .block_until_ready(), 10)
+                self.emit("attention", {"kind": "prefill", "tokens": T, "config": str(bsz),
+                                        "ours_ms": round(t_ours * 1e3, 3), "cudnn_ms": round(t_cudnn * 1e3, 3),
+                                        "vs_cudnn": round(t_cudnn / t_ours, 3),
+                                        "ours_TFLOPs": round(flops / t_ours / 1e12, 1)})
         for B, C in ((1, 32768), (8, 32768), (64, 4096)):
             M = C // bs
             kp = jax.random.normal(rng, (nKV, B * M, bs, hd), self.dtype)
@@ -138,8 +151,7 @@ class Bench:
             q = jax.random.normal(rng, (B, nH, hd), self.dtype)
             bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
             lens = jnp.full((B,), C, jnp.int32)
-            ours = jax.jit(paged_decode_attention)
-            t_ours = timed(lambda: ours(q, kp, vp, bt, lens).block_until_ready(), 10)
+            t_ours = timed(lambda: paged_decode_attention(q, kp, vp, bt, lens).block_until_ready(), 10)
             kd = kp.reshape(nKV, B, C, hd).transpose(1, 2, 0, 3)
             vd = vp.reshape(nKV, B, C, hd).transpose(1, 2, 0, 3)
             cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn"))
@@ -193,59 +205,67 @@ class Bench:
         self.emit("torch", {"batch": B, "context": ctx, "tok_s": round(B * (new - 1) / (tn - t1), 1)})
 
     def tune(self) -> None:
-        """Sweep the kernels' block sizes at this shape's heads; the best go into the tuning notes."""
+        """Sweep the kernels' block sizes at this shape's heads. The decode kernel's split size must not
+        depend on the batch, so each configuration is timed at every (batch, context) and ranked by its
+        worst slowdown against the best at each shape."""
         from pallas_kernels import paged_decode_attention as pda
         from pallas_kernels import ragged_paged_attention as rpa
         cfg, bs = self.cfg, self.bs
         nH, nKV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rng = jax.random.PRNGKey(2)
-        for B, C in ((1, 32768), (8, 32768), (64, 4096)):
+        configs = [pda.BlockSizes(ppb, pps, warps, stages) for ppb in (8, 16) for pps in (16, 32, 64, 128)
+                   for warps in (4, 8) for stages in (2, 3) if ppb <= pps]
+        table: dict = {}
+        for B, C in ((1, 32768), (8, 32768), (64, 4096), (32, 8192)):
             M = C // bs
-            kp = jax.random.normal(rng, (nKV, B * M, bs, hd), self.dtype)
+            kp, vp = (jax.random.normal(r, (nKV, B * M, bs, hd), self.dtype) for r in jax.random.split(rng))
             q = jax.random.normal(rng, (B, nH, hd), self.dtype)
             bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
             lens = jnp.full((B,), C, jnp.int32)
-            kv_bytes = 2 * B * C * nKV * hd * 2
-            best = None
-            for ppb in (8, 16):
-                for pps in (32, 64, 128):
-                    for warps in (4, 8):
-                        for stages in (2,):
-                            if ppb > pps:
-                                continue
-                            bsz = pda.BlockSizes(ppb, pps, warps, stages)
-                            try:
-                                t = timed(lambda: pda.paged_decode_attention(q, kp, kp, bt, lens, block_sizes=bsz)
-                                          .block_until_ready(), 5)
-                            except Exception:
-                                continue
-                            if best is None or t < best[0]:
-                                best = (t, bsz)
-            self.emit("attention", {"kind": "tune-decode", "batch": B, "context": C,
-                                    "best": str(best[1]), "ms": round(best[0] * 1e3, 3),
-                                    "of_copy_bw": round(kv_bytes / best[0] / self.bw, 3)})
+            for bsz in configs:
+                try:
+                    table[(B, C, bsz)] = timed(lambda: pda.paged_decode_attention(q, kp, vp, bt, lens, block_sizes=bsz)
+                                               .block_until_ready(), 10, warm_s=0.1)
+                except Exception as e:  # a configuration that does not compile at this shape
+                    print(json.dumps({"tune_error": str(bsz), "error": str(e)[:120]}))
+            del kp, vp
+        shapes = sorted({(B, C) for B, C, _ in table})
+        best_at = {sh: min(t for (B, C, _), t in table.items() if (B, C) == sh) for sh in shapes}
+        ranked = []
+        for bsz in configs:
+            ts = [table.get((B, C, bsz)) for B, C in shapes]
+            if None not in ts:
+                ranked.append((max(t / best_at[sh] for t, sh in zip(ts, shapes)), bsz, ts))
+        ranked.sort(key=lambda r: r[0])
+        for worst, bsz, ts in ranked[:6]:
+            self.emit("attention", {"kind": "tune-decode", "config": str(bsz), "worst_vs_best": round(worst, 3),
+                                    **{f"ms_b{B}_c{C}": round(t * 1e3, 3) for (B, C), t in zip(shapes, ts)},
+                                    **{f"of_copy_bw_b{B}_c{C}": round(4 * B * C * nKV * hd / t / self.bw, 3)
+                                       for (B, C), t in zip(shapes, ts)}})
         T = 4096
         M = T // bs
-        kp = jax.random.normal(rng, (nKV, M, bs, hd), self.dtype)
+        kp, vp = (jax.random.normal(r, (nKV, M, bs, hd), self.dtype) for r in jax.random.split(rng))
         q = jax.random.normal(rng, (T, nH, hd), self.dtype)
         bt = jnp.arange(M, dtype=jnp.int32)[None]
-        best = None
-        for bq in (64, 128, 256):
-            for ppb in (2, 4, 8):
+        lens, cu = jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32)
+        flops = 4 * T * T / 2 * nH * hd
+        results = []
+        for bq in (64, 128):
+            for ppb in (4, 8):
                 for warps in (4, 8):
-                    for stages in (2,):
+                    for stages in (2, 3):
                         bsz = rpa.BlockSizes(bq, ppb, warps, stages)
                         try:
                             t = timed(lambda: rpa.ragged_paged_attention(
-                                q, kp, kp, bt, jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
-                                block_sizes=bsz).block_until_ready(), 5)
-                        except Exception:
+                                q, kp, vp, bt, lens, cu, block_sizes=bsz).block_until_ready(), 10, warm_s=0.1)
+                        except Exception as e:
+                            print(json.dumps({"tune_error": str(bsz), "error": str(e)[:120]}))
                             continue
-                        if best is None or t < best[0]:
-                            best = (t, bsz)
-        flops = 4 * T * T / 2 * nH * hd
-        self.emit("attention", {"kind": "tune-prefill", "tokens": T, "best": str(best[1]),
-                                "ms": round(best[0] * 1e3, 3), "TFLOPs": round(flops / best[0] / 1e12, 1)})
+                        results.append((t, bsz))
+        results.sort(key=lambda r: r[0])
+        for t, bsz in results[:4]:
+            self.emit("attention", {"kind": "tune-prefill", "tokens": T, "config": str(bsz),
+                                    "ms": round(t * 1e3, 3), "TFLOPs": round(flops / t / 1e12, 1)})
 
     def plot(self) -> None:
         try:

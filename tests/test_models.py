@@ -108,3 +108,19 @@ def test_bfloat16_close_to_float32(tmp_path):
     f32 = ours_full(load_model(str(tmp_path), with_tokenizer=False), tokens)
     bf16 = ours_full(load_model(str(tmp_path), dtype="bfloat16", with_tokenizer=False), tokens)
     assert rel_err(bf16, f32) < 5e-2
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_gather_path_equals_dense(norm):
+    """The decode path (chosen experts' weights gathered per token) equals the all-experts path."""
+    from infernix_jax.models.moe import moe_mlp
+    rng = np.random.default_rng(7)
+    E, H, I, k = 8, 32, 24, 3
+    p = {"router": jnp.asarray(rng.standard_normal((E, H)), jnp.float32),
+         "e_gate": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
+         "e_up": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
+         "e_down": jnp.asarray(rng.standard_normal((E, H, I)) / 4, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((2, 5, H)), jnp.float32)
+    dense = moe_mlp(x, p, k, norm, "silu", gather=False)
+    gathered = moe_mlp(x, p, k, norm, "silu", gather=True)
+    assert rel_err(gathered, np.asarray(dense)) < 1e-5

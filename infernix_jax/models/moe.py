@@ -1,8 +1,10 @@
 """Mixture-of-experts MLP (Qwen3-MoE): softmax router, top-k, optional renormalisation.
 
-This plain-jnp version evaluates every expert on every token and weights the results, which is
-exact and simple but costs E/k times the FLOPs of a routed kernel; the grouped expert kernel
-replaces it on the GPU."""
+Two plain-jnp paths with the same result: when the step has few tokens (decode: N * k <= E), the
+chosen experts' weights are gathered per token, so a step reads only k experts per token instead of
+all E; otherwise every expert runs on every token and the results are weighted (each expert's
+weights read once, E/k times the FLOPs of a routed kernel). A grouped expert kernel replaces the
+second on the GPU later."""
 from __future__ import annotations
 
 import jax
@@ -11,22 +13,35 @@ import jax.numpy as jnp
 from .layers import activation, linear
 
 
-def route(x, router_w, top_k: int, norm_topk_prob: bool):
-    """x [N, H] -> combine weights [N, E] (zero outside each token's top-k), in x.dtype."""
+def _top_k(x, router_w, top_k: int, norm_topk_prob: bool):
+    """x [N, H] -> weights [N, k] in x.dtype, expert ids [N, k]."""
     logits = linear(x, router_w)                                       # [N, E]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)                               # [N, k]
     if norm_topk_prob:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
-    w = w.astype(x.dtype)
+    return w.astype(x.dtype), idx
+
+
+def route(x, router_w, top_k: int, norm_topk_prob: bool):
+    """x [N, H] -> combine weights [N, E] (zero outside each token's top-k), in x.dtype."""
+    w, idx = _top_k(x, router_w, top_k, norm_topk_prob)
     onehot = jax.nn.one_hot(idx, router_w.shape[0], dtype=x.dtype)     # [N, k, E]
     return jnp.einsum("nk,nke->ne", w, onehot)
 
 
-def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str):
-    """x [B, T, H]; p holds router [E, H], e_gate/e_up [E, I, H], e_down [E, H, I]."""
+def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str, gather: bool | None = None):
+    """x [B, T, H]; p holds router [E, H], e_gate/e_up [E, I, H], e_down [E, H, I].
+    gather: None picks by the (static) token count; True/False force a path (tests)."""
     B, T, H = x.shape
+    E = p["router"].shape[0]
     xf = x.reshape(B * T, H)
+    if gather if gather is not None else B * T * top_k <= E:
+        w, idx = _top_k(xf, p["router"], top_k, norm_topk_prob)                # [N, k]
+        g = activation(act)(jnp.einsum("nh,nkih->nki", xf, p["e_gate"][idx]))  # [N, k, I]
+        h = g * jnp.einsum("nh,nkih->nki", xf, p["e_up"][idx])
+        out = jnp.einsum("nki,nkhi,nk->nh", h, p["e_down"][idx], w)
+        return out.reshape(B, T, H)
     comb = route(xf, p["router"], top_k, norm_topk_prob)                       # [N, E]
     h = activation(act)(jnp.einsum("nh,eih->nei", xf, p["e_gate"])) * jnp.einsum("nh,eih->nei", xf, p["e_up"])
     out = jnp.einsum("nei,ehi,ne->nh", h, p["e_down"], comb)
