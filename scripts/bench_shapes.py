@@ -70,6 +70,17 @@ class Bench:
                         "copy_GBps": self.bw / 1e9, "weights_GiB": self.weights_bytes / GiB, "decode": [],
                         "prefill": [], "attention": [], "torch": []}
 
+    def step_bytes(self, B: int, ctx: float) -> float:
+        """Bytes one decode step must read: the weights it uses and the batch's KV. For MoE only the
+        experts some token picks are read: under uniform routing, E * (1 - (1 - k/E)^B) of them."""
+        cfg, weights = self.cfg, self.weights_bytes
+        if cfg.num_experts:
+            E, k = cfg.num_experts, cfg.num_experts_per_tok
+            n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+            experts = n_moe * E * 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(self.dtype).itemsize
+            weights = weights - experts + experts * (1 - (1 - k / E) ** B)
+        return weights + B * ctx * self.per_tok
+
     def emit(self, kind: str, row: dict) -> None:
         self.results[kind].append(row)
         print(json.dumps({"kind": kind, "shape": self.shape, **row}), flush=True)
@@ -97,8 +108,7 @@ class Bench:
         compile_s = time.perf_counter() - t0
         sec = timed(call, reps)
         tok_s = B * self.k / sec
-        step_bytes = self.weights_bytes + B * (ctx + self.k / 2) * self.per_tok
-        roof = B * self.bw / step_bytes
+        roof = B * self.bw / self.step_bytes(B, ctx + self.k / 2)
         self.emit("decode", {"batch": B, "context": ctx, "tok_s": round(tok_s, 1), "roofline_tok_s": round(roof, 1),
                              "of_roofline": round(tok_s / roof, 3), "ms_per_step": round(1e3 * sec / self.k, 3),
                              "compile_s": round(compile_s, 1)})

@@ -1,4 +1,4 @@
-"""infernix-serve: an OpenAI-compatible HTTP server for one model."""
+"""infernix-serve: an OpenAI- and Anthropic-compatible HTTP server for one model."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", choices=["basic", "full", "none"], default="basic",
                    help="compile before serving: basic = the batch-1 shapes, full = every bucketed shape the "
                         "limits allow (minutes for a big model, then no request ever waits on a compile)")
+    p.add_argument("--tolerant-tool-calls", action="store_true",
+                   help="keep a tool call that max_tokens, the context or a cancellation cut off (parsed as far "
+                        "as it goes) instead of returning its text")
     p.add_argument("--plan", action="store_true",
                    help="print what a start would allocate (weights, KV pool, ...) without loading, and exit")
 
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
         print(engine.plan.describe(), file=sys.stderr)
         if a.warmup == "full":
             print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
-        app = create_app(engine, warmup=a.warmup == "basic")
+        app = create_app(engine, warmup=a.warmup == "basic", tolerant_tool_calls=a.tolerant_tool_calls)
         print(f"infernix-serve: serving {model.name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:
             app.run(host=a.host, port=a.port, single_process=True, motd=False, access_log=False)

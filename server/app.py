@@ -1,4 +1,9 @@
-"""The Sanic application. One process; the engine (and its device thread) lives on app.ctx."""
+"""The Sanic application. One process; the engine (and its device thread) lives on app.ctx.
+
+Routes: OpenAI Chat Completions, Completions, Responses; Anthropic Messages and count_tokens;
+/v1/models, /health. Every protocol goes through the same path: build (validate the body; 4xx
+before anything reaches the engine) -> Turns on the engine -> collect (one JSON body) or stream
+(server/streaming.py with the protocol's renderer)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,32 +15,21 @@ from sanic import Sanic
 from sanic.exceptions import SanicException
 from sanic.response import json as json_response
 
-from infernix_jax.engine import Event
-
-from . import openai_chat
-from .errors import APIError
+from . import anthropic_messages, openai_chat
+from .errors import APIError, protocol_of
+from .streaming import stream
+from .turn import Turn
 
 log = logging.getLogger("infernix.server")
-HEARTBEAT_S = 5.0
 
 
-class EventStream:
-    """Engine events (delivered on the device thread) -> an asyncio queue on the server's loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-
-    def __call__(self, ev: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-
-
-def create_app(engine, name: str = "infernix", warmup: bool = True) -> Sanic:
+def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_tool_calls: bool = False) -> Sanic:
     app = Sanic(name)
     app.config.REQUEST_MAX_SIZE = 64 * 1024 * 1024
     app.config.RESPONSE_TIMEOUT = 3600
     app.config.KEEP_ALIVE_TIMEOUT = 75
     app.ctx.engine = engine
+    app.ctx.tolerant = tolerant_tool_calls
 
     @app.before_server_start
     async def start_engine(app):
@@ -47,18 +41,19 @@ def create_app(engine, name: str = "infernix", warmup: bool = True) -> Sanic:
 
     @app.exception(APIError)
     async def api_error(request, exc: APIError):
-        return exc.response()
+        return exc.response(protocol_of(request.path))
 
     @app.exception(SanicException)
     async def sanic_error(request, exc: SanicException):
         status = getattr(exc, "status_code", 500)
-        kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
-        return APIError(str(exc) or kind, status, kind).response()
+        kind = {404: "not_found_error", 413: "request_too_large"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
+        return APIError(str(exc) or kind, status, kind).response(protocol_of(request.path))
 
     @app.exception(Exception)
     async def unexpected(request, exc: Exception):
         log.exception("unhandled error")
-        return APIError(f"internal error: {type(exc).__name__}", 500, "server_error").response()
+        return APIError(f"internal error: {type(exc).__name__}", 500, "server_error").response(protocol_of(request.path))
 
     @app.get("/health")
     async def health(request):
@@ -73,33 +68,63 @@ def create_app(engine, name: str = "infernix", warmup: bool = True) -> Sanic:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request):
-        body = _json_body(request)
         engine = request.app.ctx.engine
-        req, meta = openai_chat.build_request(body, engine)
-        events = EventStream(asyncio.get_running_loop())
-        req.on_event = events
-        engine.submit(req)
-        try:
-            if meta["stream"]:
-                await _stream_chat(request, events, meta, engine.tokenizer)
-                return None
-            text, lps, done = [], [], None
-            while done is None:
-                ev = await events.queue.get()
-                if ev.kind == "delta":
-                    text.append(ev.text)
-                    lps.extend(ev.logprobs)
-                elif ev.kind == "done":
-                    done = ev
-                else:
-                    raise openai_chat.engine_error(ev.message)
-            content = openai_chat.logprobs_content(engine.tokenizer, lps) if meta["logprobs"] else None
-            return json_response(openai_chat.completion_body(meta, "".join(text), done.finish_reason,
-                                                             done.prompt_tokens, done.completion_tokens, content))
-        finally:
-            req.cancel()  # no-op when finished; frees the slot when the client went away
+        ids, params, features, meta = openai_chat.build(_json_body(request), engine, request.app.ctx.tolerant)
+        turns = [Turn(engine, ids, p, features).start() for p in params]
+        if meta["stream"]:
+            await stream(request, turns, openai_chat.StreamRenderer(meta, len(turns), engine.tokenizer))
+            return None
+        results = await _collect_all(turns)
+        return json_response(openai_chat.completion_body(meta, results, engine.tokenizer))
+
+    @app.post("/v1/messages")
+    async def messages(request):
+        engine = request.app.ctx.engine
+        ids, params, features, meta = anthropic_messages.build(_json_body(request), engine, request.app.ctx.tolerant)
+        turn = Turn(engine, ids, params, features).start()
+        if meta["stream"]:
+            renderer = anthropic_messages.StreamRenderer(meta, len(ids))
+            await stream(request, [turn], _single(renderer))
+            return None
+        reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
+        return json_response(anthropic_messages.message_body(meta, reasoning, text, calls, done))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request):
+        return json_response(anthropic_messages.count_tokens(_json_body(request), request.app.ctx.engine))
 
     return app
+
+
+class _single:
+    """Adapts a one-choice renderer (piece by piece) to the driver's interface."""
+
+    def __init__(self, r):
+        self.r = r
+
+    def start(self):
+        return self.r.start()
+
+    def heartbeat(self):
+        return self.r.heartbeat()
+
+    def pieces(self, index, pieces):
+        return [s for kind, v in pieces for s in self.r.piece(kind, v)]
+
+    def end(self):
+        return []
+
+
+async def _collect_all(turns: list[Turn]):
+    try:
+        results = await asyncio.gather(*(t.collect() for t in turns))
+    finally:
+        for t in turns:
+            t.cancel()          # no-op when finished; frees the KV when the client went away
+    for *_, done in results:
+        if done.finish_reason == "error":
+            raise APIError(done.error, 500, "server_error")
+    return results
 
 
 def _json_body(request):
@@ -107,34 +132,3 @@ def _json_body(request):
         return json.loads(request.body or b"")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream_chat(request, events: EventStream, meta: dict, tokenizer) -> None:
-    response = await request.respond(content_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await response.send(_sse(openai_chat.chunk(meta, {"role": "assistant", "content": ""})))
-    while True:
-        try:
-            ev = await asyncio.wait_for(events.queue.get(), timeout=HEARTBEAT_S)
-        except asyncio.TimeoutError:
-            await response.send(": keep-alive\n\n")  # also how a vanished client is noticed
-            continue
-        if ev.kind == "delta":
-            lps = openai_chat.logprobs_content(tokenizer, ev.logprobs) if meta["logprobs"] else None
-            if ev.text or lps:
-                await response.send(_sse(openai_chat.chunk(meta, {"content": ev.text}, logprobs=lps)))
-        elif ev.kind == "done":
-            await response.send(_sse(openai_chat.chunk(meta, {}, ev.finish_reason)))
-            if meta["include_usage"]:
-                await response.send(_sse(openai_chat.chunk(
-                    meta, None, usage_=openai_chat.usage(ev.prompt_tokens, ev.completion_tokens))))
-            break
-        else:
-            await response.send(_sse(openai_chat.engine_error(ev.message).body()))
-            break
-    await response.send("data: [DONE]\n\n")
-    await response.eof()

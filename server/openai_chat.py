@@ -1,24 +1,27 @@
-"""POST /v1/chat/completions: body -> engine Request; results -> a completion or an SSE stream."""
+"""POST /v1/chat/completions: body -> prompt, sampling parameters and parse features; turn pieces ->
+a chat.completion or its chunk stream (role, content / reasoning_content / tool_calls deltas, one
+finish chunk per choice, a usage chunk when asked, then [DONE])."""
 from __future__ import annotations
 
 import json
 import time
-import uuid
 
-import jinja2
+import secrets
 
-from infernix_jax.engine import Request, SamplingParams
-from infernix_jax.tokenizer import TokenizerError
+from infernix_jax.engine import SamplingParams
 
 from .errors import APIError, invalid
+from .parsing import ToolCall
+from .prompt import budget, render
+from .turn import Done, Features, features_for
 from .validate import get_bool, get_dict, get_int, get_number, get_stop
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
-# Fields we accept and do not act on (they change nothing about the answer we give).
+MAX_N = 8
+# Fields we cannot honour yet: refused when set, rather than silently ignored.
 UNSUPPORTED_IF_SET = {
     "logit_bias": lambda v: bool(v),
     "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
-    "n": lambda v: v not in (None, 1),
 }
 
 
@@ -95,35 +98,28 @@ def parse_tools(body) -> list[dict] | None:
     return tools or None
 
 
-def build_request(body, engine) -> tuple[Request, dict]:
-    """Validate a chat completion body; returns the engine request and response metadata."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    for name, is_set in UNSUPPORTED_IF_SET.items():
-        if name in body and is_set(body[name]):
-            raise invalid(f"'{name}' is not supported yet by this server", name)
-    messages = parse_messages(body.get("messages"))
-    tools = parse_tools(body)
-    if body.get("tool_choice") == "none":
-        tools = None
-    kwargs = get_dict(body, "chat_template_kwargs") or {}
-    tok = engine.tokenizer
-    try:
-        prompt = tok.encode_chat(messages, tools=tools, add_generation_prompt=True, **kwargs)
-    except (jinja2.TemplateError, TokenizerError) as e:
-        raise invalid(f"the chat template rejected these messages: {e}", "messages") from None
-    room = engine.max_context - len(prompt)
-    if room < 1:
-        raise invalid(f"the prompt has {len(prompt)} tokens, which fills this model's context of "
-                      f"{engine.max_context} tokens; shorten the conversation", "messages")
-    max_tokens = get_int(body, "max_completion_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise invalid(f"this model's context is {engine.max_context} tokens; the prompt has {len(prompt)} "
-                      f"tokens and max_tokens is {max_tokens}: lower max_tokens to at most {room}", "max_tokens")
+def tool_choice(body, tools):
+    """-> (tools to show the model, forced: None | "required" | a function name)."""
+    tc = body.get("tool_choice")
+    if tc is None or tc == "auto":
+        return tools, None
+    if tc == "none":
+        return None, None
+    if tc == "required":
+        if not tools:
+            raise invalid("tool_choice 'required' needs 'tools'", "tool_choice")
+        return tools, "required"
+    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict):
+        name = tc["function"].get("name")
+        if name not in {t["function"]["name"] for t in tools or ()}:
+            raise invalid(f"tool_choice names {name!r}, which is not one of the request's tools", "tool_choice")
+        return tools, name
+    raise invalid("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                  "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def sampling(body, max_tokens: int) -> SamplingParams:
+    """The sampling fields Chat and Completions share."""
     seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
     top_k = get_int(body, "top_k", 0, -1)          # vLLM extension; -1 and 0 both mean off
     top_p = get_number(body, "top_p", 1.0, 0.0, 1.0)
@@ -131,7 +127,7 @@ def build_request(body, engine) -> tuple[Request, dict]:
     top_logprobs = get_int(body, "top_logprobs", 0, 0, 20)
     if top_logprobs and not logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=max(top_p, 1e-9),                    # 0 keeps only the most likely token
@@ -146,17 +142,52 @@ def build_request(body, engine) -> tuple[Request, dict]:
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
+
+
+def requested_max_tokens(body) -> int | None:
+    n = get_int(body, "max_completion_tokens", None, 1)
+    return n if n is not None else get_int(body, "max_tokens", None, 1)
+
+
+def seeds_for(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n choices: each its own seed (seed, seed + 1, ...) so that a seeded request stays reproducible."""
+    import dataclasses
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % (2**31))
+            for i in range(n)]
+
+
+def build(body, engine, tolerant: bool = False) -> tuple[list[int], list[SamplingParams], Features, dict]:
+    """Validate a chat completion body -> prompt ids, one SamplingParams per choice, parse features, meta."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    for name, is_set in UNSUPPORTED_IF_SET.items():
+        if name in body and is_set(body[name]):
+            raise invalid(f"'{name}' is not supported yet by this server", name)
+    messages = parse_messages(body.get("messages"))
+    tools, forced = tool_choice(body, parse_tools(body))
+    kwargs = dict(get_dict(body, "chat_template_kwargs") or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("none", "minimal", "low", "medium", "high", "xhigh"):
+            raise invalid("'reasoning_effort' must be none, minimal, low, medium, high or xhigh", "reasoning_effort")
+        kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
+    ids, text = render(engine, messages, tools, kwargs)
+    n = get_int(body, "n", 1, 1, MAX_N)
+    params = sampling(body, budget(engine, len(ids), requested_max_tokens(body)))
     stream = get_bool(body, "stream", False)
     opts = get_dict(body, "stream_options") or {}
     meta = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
         "created": int(time.time()),
         "model": body.get("model") if isinstance(body.get("model"), str) else engine.model_name,
         "stream": stream,
         "include_usage": bool(opts.get("include_usage")),
-        "logprobs": logprobs,
+        "logprobs": params.logprobs,
+        "forced_tool": forced,
     }
-    return Request(prompt_ids=prompt, params=params), meta
+    return ids, seeds_for(params, n), features_for(engine.tokenizer, text, tools, tolerant), meta
 
 
 def logprobs_content(tokenizer, entries) -> list[dict]:
@@ -167,32 +198,84 @@ def logprobs_content(tokenizer, entries) -> list[dict]:
     return [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in alts]} for t, lp, alts in entries]
 
 
-def completion_body(meta, text: str, finish: str, prompt_tokens: int, completion_tokens: int,
-                    logprobs: list | None = None) -> dict:
-    return {
-        "id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"],
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None if logprobs is None else {"content": logprobs},
-                     "finish_reason": finish}],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+def tool_call_item(call: ToolCall, index: int | None = None) -> dict:
+    item = {"id": "call_" + secrets.token_hex(12), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+    return item if index is None else {"index": index, **item}
 
 
 def usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def chunk(meta, delta: dict | None, finish: str | None = None, usage_: dict | None = None,
-          logprobs: list | None = None) -> dict:
-    body = {"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"],
-            "model": meta["model"],
-            "choices": [] if delta is None else [{"index": 0, "delta": delta,
-                                                  "logprobs": None if logprobs is None else {"content": logprobs},
-                                                  "finish_reason": finish}]}
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+def completion_body(meta, results: list[tuple[str, str, list, list, Done]], tokenizer) -> dict:
+    choices = []
+    for i, (reasoning, text, calls, lps, done) in enumerate(results):
+        msg = {"role": "assistant", "content": text if (text or not calls) else None}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = [tool_call_item(c) for c in calls]
+        choices.append({"index": i, "message": msg, "finish_reason": done.finish_reason,
+                        "logprobs": {"content": logprobs_content(tokenizer, lps)} if meta["logprobs"] else None})
+    return {"id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"],
+            "choices": choices, "usage": usage(results[0][4].prompt_tokens,
+                                               sum(r[4].completion_tokens for r in results))}
 
 
-def engine_error(message: str) -> APIError:
-    return APIError(message, 500, "server_error")
+class StreamRenderer:
+    def __init__(self, meta: dict, n: int, tokenizer):
+        self.meta, self.n, self.tokenizer = meta, n, tokenizer
+        self.calls = [0] * n
+        self.done: list[Done | None] = [None] * n
+
+    def _chunk(self, i, delta, finish=None, logprobs=None) -> str:
+        return "data: " + json.dumps({
+            "id": self.meta["id"], "object": "chat.completion.chunk", "created": self.meta["created"],
+            "model": self.meta["model"], "choices": [{"index": i, "delta": delta, "finish_reason": finish,
+                                                      "logprobs": None if logprobs is None else {"content": logprobs}}]},
+            ensure_ascii=False) + "\n\n"
+
+    def start(self) -> list[str]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
+
+    @staticmethod
+    def heartbeat() -> str:
+        return ": keep-alive\n\n"
+
+    def pieces(self, i: int, pieces: list) -> list[str]:
+        out = []
+        k = 0
+        while k < len(pieces):
+            kind, v = pieces[k]
+            if kind == "text" or kind == "logprobs":
+                lps = None
+                if kind == "text" and k + 1 < len(pieces) and pieces[k + 1][0] == "logprobs":
+                    lps, k = pieces[k + 1][1], k + 1
+                elif kind == "logprobs":
+                    lps, v = v, ""
+                content = logprobs_content(self.tokenizer, lps) if (lps and self.meta["logprobs"]) else None
+                if v or content:
+                    out.append(self._chunk(i, {"content": v}, logprobs=content))
+            elif kind == "reasoning":
+                out.append(self._chunk(i, {"reasoning_content": v}))
+            elif kind == "tool_call":
+                out.append(self._chunk(i, {"tool_calls": [tool_call_item(v, self.calls[i])]}))
+                self.calls[i] += 1
+            elif kind == "done":
+                self.done[i] = v
+                if v.finish_reason == "error":
+                    out.append("data: " + json.dumps(APIError(v.error, 500, "server_error").body()) + "\n\n")
+                else:
+                    out.append(self._chunk(i, {}, v.finish_reason))
+            k += 1
+        return out
+
+    def end(self) -> list[str]:
+        out = []
+        if self.meta["include_usage"] and all(self.done):
+            body = {"id": self.meta["id"], "object": "chat.completion.chunk", "created": self.meta["created"],
+                    "model": self.meta["model"], "choices": [],
+                    "usage": usage(self.done[0].prompt_tokens, sum(d.completion_tokens for d in self.done))}
+            out.append("data: " + json.dumps(body) + "\n\n")
+        return out + ["data: [DONE]\n\n"]

@@ -73,7 +73,9 @@ def test_concurrent_requests_all_answered(client):
     ({"messages": QUESTION, "temperature": 5}, "temperature"),
     ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
     ({"messages": QUESTION, "max_tokens": 10**9}, "max_tokens"),
-    ({"messages": QUESTION, "n": 2}, "n"),
+    ({"messages": QUESTION, "n": 9}, "n"),
+    ({"messages": QUESTION, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": QUESTION, "reasoning_effort": "max"}, "reasoning_effort"),
     ({"messages": QUESTION, "stop": [""]}, "stop"),
     ({"messages": QUESTION, "stream": "yes"}, "stream"),
     ({"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
@@ -137,3 +139,15 @@ def test_client_disconnect_mid_stream_leaves_server_healthy(server_url, client):
                 break  # walk away mid-stream
     out = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=8)
     assert out.choices[0].message.content
+
+
+def test_n_choices_and_usage(client):
+    r = client.chat.completions.create(model="m", messages=QUESTION, temperature=0.8, max_tokens=8, n=3, seed=5)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == sum(1 for _ in range(3)) * 0 + r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="m", messages=QUESTION, temperature=0.8, max_tokens=8,
+                                                 n=3, seed=5, stream=True, stream_options={"include_usage": True}))
+    for i in range(3):
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
+        assert text == r.choices[i].message.content       # same seeds, same texts, streamed or not
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens

@@ -148,7 +148,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self._emit(seq, Event("done", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
-                              completion_tokens=len(seq.out_ids)))
+                              completion_tokens=len(seq.out_ids), stop_sequence=seq.tracker.matched))
 
     # ---- synchronous API (scripts, tests) ------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Result]:

@@ -63,6 +63,7 @@ class Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_sequence: str | None = None  # done: the stop string that ended the output, if one did
     message: str = ""
 
 

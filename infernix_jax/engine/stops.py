@@ -12,6 +12,7 @@ class TextTracker:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.matched: str | None = None      # the stop string that ended the text
 
     def _holdback(self) -> int:
         """Length of the longest suffix of text that is a proper prefix of a stop string."""
@@ -28,9 +29,10 @@ class TextTracker:
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += self.decoder.push(token_id)
         if self.stop:
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                i, self.matched = min(hits)
+                self.text = self.text[:i]
                 self.stopped = True
                 return self._take(len(self.text))
         return self._take(len(self.text) - self._holdback())

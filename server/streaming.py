@@ -1,0 +1,86 @@
+"""The one SSE driver every protocol uses. A renderer turns turn pieces into that protocol's events;
+this module decides when the stream opens, when to send heartbeats, and when to give up on a client.
+
+- The stream opens with its first real event (honest time to first token): headers go out with the
+  first output, or with the first heartbeat when a long prefill delays it.
+- A heartbeat (the protocol's own: an SSE comment or a ping event) every HEARTBEAT_S without output.
+- A reader that stops reading for PAUSED_READER_S, or goes away, cancels its requests (their KV is
+  freed by the engine at its next step)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from .errors import APIError
+from .turn import Turn
+
+HEARTBEAT_S = 5.0
+PAUSED_READER_S = 60.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Renderer(Protocol):
+    def start(self) -> list[str]: ...
+    def heartbeat(self) -> str: ...
+    def pieces(self, index: int, pieces: list) -> list[str]: ...
+    def end(self) -> list[str]: ...
+
+
+async def merged(turns: list[Turn], timeout: float | None):
+    """Yields (turn index, pieces) as they come from any turn, or None after timeout of silence."""
+    tasks: dict[asyncio.Future, int] = {}
+
+    def arm(i):
+        tasks[asyncio.ensure_future(turns[i].next())] = i
+    for i in range(len(turns)):
+        arm(i)
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(list(tasks), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                yield None
+                continue
+            for t in sorted(done, key=lambda t: tasks[t]):
+                i = tasks.pop(t)
+                yield i, t.result()
+                if not turns[i].finished:
+                    arm(i)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def first_error(pieces: list) -> str | None:
+    for kind, v in pieces:
+        if kind == "done" and v.finish_reason == "error":
+            return v.error
+    return None
+
+
+async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: float = HEARTBEAT_S) -> None:
+    response = None
+
+    async def send(parts: list[str]):
+        nonlocal response
+        if not parts:
+            return
+        if response is None:
+            response = await request.respond(content_type="text/event-stream", headers=SSE_HEADERS)
+            parts = renderer.start() + parts
+        await asyncio.wait_for(response.send("".join(parts)), PAUSED_READER_S)
+
+    try:
+        async for item in merged(turns, heartbeat_s):
+            if item is None:
+                await send([renderer.heartbeat()])
+                continue
+            i, pieces = item
+            if response is None and (err := first_error(pieces)):
+                raise APIError(err, 500, "server_error")     # nothing sent yet: a plain HTTP error
+            await send(renderer.pieces(i, pieces))
+        await send(renderer.end())
+        if response is not None:
+            await response.eof()
+    finally:
+        for t in turns:
+            t.cancel()         # no-op for finished turns; frees the KV of the rest at once
