@@ -203,6 +203,8 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], SamplingPara
     temperature = _get(get_number, body, "temperature", 1.0, 0.0, 1.0)
     top_p = _get(get_number, body, "top_p", 1.0, 0.0, 1.0)
     top_k = _get(get_int, body, "top_k", 0, 0)
+    if "stop_sequences" in body and not isinstance(body["stop_sequences"], (list, type(None))):
+        raise invalid("stop_sequences: must be a list of strings")
     stop = _get(get_stop, body, "stop_sequences")
     params = SamplingParams(max_tokens=budget(engine, len(ids), max_tokens), temperature=temperature,
                             top_p=max(top_p, 1e-9), top_k=top_k, stop=stop)

@@ -15,9 +15,9 @@ from sanic import Sanic
 from sanic.exceptions import SanicException
 from sanic.response import json as json_response
 
-from . import anthropic_messages, openai_chat
+from . import anthropic_messages, openai_chat, openai_completions, openai_responses
 from .errors import APIError, protocol_of
-from .streaming import stream
+from .streaming import PieceRenderer, stream
 from .turn import Turn
 
 log = logging.getLogger("infernix.server")
@@ -77,6 +77,18 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
         results = await _collect_all(turns)
         return json_response(openai_chat.completion_body(meta, results, engine.tokenizer))
 
+    @app.post("/v1/completions")
+    async def completions(request):
+        engine = request.app.ctx.engine
+        body = _json_body(request)
+        jobs, meta = openai_completions.build(body, engine)
+        n = len(jobs) // len(meta["prompts"])
+        turns = [Turn(engine, ids, p, openai_completions.FEATURES).start() for ids, p in jobs]
+        if meta["stream"]:
+            await stream(request, turns, openai_completions.StreamRenderer(meta, len(turns), n, engine.tokenizer))
+            return None
+        return json_response(openai_completions.body_of(meta, await _collect_all(turns), engine.tokenizer, n))
+
     @app.post("/v1/messages")
     async def messages(request):
         engine = request.app.ctx.engine
@@ -84,35 +96,35 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
         turn = Turn(engine, ids, params, features).start()
         if meta["stream"]:
             renderer = anthropic_messages.StreamRenderer(meta, len(ids))
-            await stream(request, [turn], _single(renderer))
+            await stream(request, [turn], PieceRenderer(renderer))
             return None
         reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
         return json_response(anthropic_messages.message_body(meta, reasoning, text, calls, done))
+
+    @app.post("/v1/responses")
+    async def responses(request):
+        engine = request.app.ctx.engine
+        ids, params, features, meta = openai_responses.build(_json_body(request), engine, request.app.ctx.tolerant)
+        turn = Turn(engine, ids, params, features).start()
+        if meta["stream"]:
+            await stream(request, [turn], PieceRenderer(openai_responses.StreamRenderer(meta)))
+            return None
+        reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
+        return json_response(openai_responses.body_of(meta, reasoning, text, calls, done))
+
+    @app.get("/v1/responses")
+    async def responses_websocket(request):
+        # Codex tries a WebSocket first when configured to; 426 makes it fall back to HTTP at once
+        if request.headers.get("upgrade", "").lower() == "websocket":
+            raise APIError("WebSocket transport is not supported; use HTTP POST /v1/responses", 426,
+                           "invalid_request_error", headers={"Upgrade": "HTTP/1.1"})
+        raise APIError("use POST /v1/responses", 405, "invalid_request_error")
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request):
         return json_response(anthropic_messages.count_tokens(_json_body(request), request.app.ctx.engine))
 
     return app
-
-
-class _single:
-    """Adapts a one-choice renderer (piece by piece) to the driver's interface."""
-
-    def __init__(self, r):
-        self.r = r
-
-    def start(self):
-        return self.r.start()
-
-    def heartbeat(self):
-        return self.r.heartbeat()
-
-    def pieces(self, index, pieces):
-        return [s for kind, v in pieces for s in self.r.piece(kind, v)]
-
-    def end(self):
-        return []
 
 
 async def _collect_all(turns: list[Turn]):

@@ -26,6 +26,25 @@ class Renderer(Protocol):
     def end(self) -> list[str]: ...
 
 
+class PieceRenderer:
+    """Adapts a one-choice renderer that takes one piece at a time (`piece(kind, v)`) to Renderer."""
+
+    def __init__(self, r):
+        self.r = r
+
+    def start(self) -> list[str]:
+        return self.r.start()
+
+    def heartbeat(self) -> str:
+        return self.r.heartbeat()
+
+    def pieces(self, index: int, pieces: list) -> list[str]:
+        return [s for kind, v in pieces for s in self.r.piece(kind, v)]
+
+    def end(self) -> list[str]:
+        return []
+
+
 async def merged(turns: list[Turn], timeout: float | None):
     """Yields (turn index, pieces) as they come from any turn, or None after timeout of silence."""
     tasks: dict[asyncio.Future, int] = {}
@@ -59,18 +78,21 @@ def first_error(pieces: list) -> str | None:
 
 async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: float = HEARTBEAT_S) -> None:
     response = None
+    opening: list[str] | None = None     # the protocol's opening events, rendered before any piece
 
     async def send(parts: list[str]):
-        nonlocal response
+        nonlocal response, opening
         if not parts:
             return
         if response is None:
             response = await request.respond(content_type="text/event-stream", headers=SSE_HEADERS)
-            parts = renderer.start() + parts
+            parts, opening = opening + parts, []
         await asyncio.wait_for(response.send("".join(parts)), PAUSED_READER_S)
 
     try:
         async for item in merged(turns, heartbeat_s):
+            if opening is None:
+                opening = renderer.start()
             if item is None:
                 await send([renderer.heartbeat()])
                 continue

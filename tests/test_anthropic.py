@@ -76,7 +76,7 @@ def test_stop_sequences_and_max_tokens(claude):
 
 
 def test_claude_code_fields_and_tool_history(claude, server_url):
-    body = {"model": "test-model", "max_tokens": 32000, "stream": False,
+    body = {"model": "test-model", "max_tokens": 48, "stream": False,
             "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
             "metadata": {"user_id": '{"device_id":"abc","session_id":"s"}'},
