@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from scripts._common import add_engine_args, add_model_args, engine_kwargs, run
@@ -18,6 +19,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", choices=["basic", "full", "none"], default="basic",
                    help="compile before serving: basic = the batch-1 shapes, full = every bucketed shape the "
                         "limits allow (minutes for a big model, then no request ever waits on a compile)")
+    g = p.add_argument_group("limits")
+    g.add_argument("--api-key", default=None,
+                   help="require this key (Authorization: Bearer KEY or x-api-key: KEY); default: env "
+                        "INFERNIX_API_KEY, else none")
+    g.add_argument("--max-http-clients", type=int, default=64, help="requests served at once (beyond: 503)")
+    g.add_argument("--max-pending-requests", type=int, default=256,
+                   help="generations queued or running, 1-1024 (beyond: 429 with Retry-After)")
+    g.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (beyond: 413)")
+    g.add_argument("--log-requests", default=None, metavar="PATH",
+                   help="append one JSON line per request (timings, token counts, finish reasons) to PATH")
     p.add_argument("--tolerant-tool-calls", action="store_true",
                    help="keep a tool call that max_tokens, the context or a cancellation cut off (parsed as far "
                         "as it goes) instead of returning its text")
@@ -41,10 +52,15 @@ def main(argv=None) -> int:
             print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype})")
             print(plan.describe())
             return 0
+        from server.app import ServerLimits, create_app
+        limits = ServerLimits(api_key=a.api_key or os.environ.get("INFERNIX_API_KEY") or None,
+                              max_http_clients=a.max_http_clients, max_pending_requests=a.max_pending_requests,
+                              max_body_mb=a.max_body_mb, log_requests=a.log_requests,
+                              tolerant_tool_calls=a.tolerant_tool_calls)
+        limits.check()                       # before loading a model: a bad flag fails in a second
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
-        from server.app import create_app
         model = load_model(a.model, dtype=a.dtype)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json); the server needs one")
@@ -54,7 +70,7 @@ def main(argv=None) -> int:
         print(engine.plan.describe(), file=sys.stderr)
         if a.warmup == "full":
             print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
-        app = create_app(engine, warmup=a.warmup == "basic", tolerant_tool_calls=a.tolerant_tool_calls)
+        app = create_app(engine, warmup=a.warmup == "basic", limits=limits)
         print(f"infernix-serve: serving {model.name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:
             app.run(host=a.host, port=a.port, single_process=True, motd=False, access_log=False)

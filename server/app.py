@@ -7,6 +7,9 @@ before anything reaches the engine) -> Turns on the engine -> collect (one JSON 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import hmac
 import json
 import logging
 import time
@@ -14,22 +17,71 @@ import time
 from sanic import Sanic
 from sanic.exceptions import SanicException
 from sanic.response import json as json_response
+from sanic.response import raw
 
 from . import anthropic_messages, openai_chat, openai_completions, openai_responses
 from .errors import APIError, protocol_of
+from .metrics import Metrics, RequestStats
 from .streaming import PieceRenderer, stream
 from .turn import Turn
+from .validate import MAX_DEPTH, check_depth
 
 log = logging.getLogger("infernix.server")
 
 
-def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_tool_calls: bool = False) -> Sanic:
+@dataclasses.dataclass
+class ServerLimits:
+    api_key: str | None = None
+    max_http_clients: int = 64            # requests being served at once (beyond: 503)
+    max_pending_requests: int = 256       # generations submitted and not finished (beyond: 429)
+    max_body_mb: float = 64.0
+    keep_alive_s: float = 360.0
+    log_requests: str | None = None       # JSON-lines request log
+    tolerant_tool_calls: bool = False
+
+    def check(self) -> None:
+        if not 1 <= self.max_pending_requests <= 1024:
+            raise ValueError(f"--max-pending-requests must be between 1 and 1024, got {self.max_pending_requests}")
+        if self.max_http_clients < 1:
+            raise ValueError("--max-http-clients must be >= 1")
+        if self.max_body_mb <= 0:
+            raise ValueError("--max-body-mb must be > 0")
+
+
+OPEN_PATHS = {"/health", "/metrics"}       # no API key needed
+
+
+def create_app(engine, name: str = "infernix", warmup: bool = True, limits: ServerLimits | None = None) -> Sanic:
+    limits = limits or ServerLimits()
+    limits.check()
     app = Sanic(name)
-    app.config.REQUEST_MAX_SIZE = 64 * 1024 * 1024
+    app.config.REQUEST_MAX_SIZE = int(limits.max_body_mb * 1024 * 1024)
     app.config.RESPONSE_TIMEOUT = 3600
-    app.config.KEEP_ALIVE_TIMEOUT = 75
+    app.config.KEEP_ALIVE_TIMEOUT = limits.keep_alive_s
     app.ctx.engine = engine
-    app.ctx.tolerant = tolerant_tool_calls
+    app.ctx.limits = limits
+    app.ctx.tolerant = limits.tolerant_tool_calls
+    app.ctx.metrics = Metrics(engine, limits.log_requests)
+    app.ctx.in_flight = 0          # HTTP requests being served
+    app.ctx.pending = 0            # generation turns submitted and not finished
+
+    @app.on_request
+    async def gate(request):
+        if request.path in OPEN_PATHS:
+            return None
+        key = limits.api_key
+        if key:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise APIError("invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)", 401,
+                               "authentication_error")
+        return None
+
+    @app.on_response
+    async def keep_alive_header(request, response):
+        if response is not None and "keep-alive" not in response.headers:
+            response.headers["Keep-Alive"] = f"timeout={int(limits.keep_alive_s)}"
 
     @app.before_server_start
     async def start_engine(app):
@@ -38,6 +90,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
     @app.after_server_stop
     async def stop_engine(app):
         app.ctx.engine.stop()
+        app.ctx.metrics.close()
 
     @app.exception(APIError)
     async def api_error(request, exc: APIError):
@@ -59,6 +112,10 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
     async def health(request):
         return json_response({"status": "ok"})
 
+    @app.get("/metrics")
+    async def metrics(request):
+        return raw(request.app.ctx.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models(request):
         e = request.app.ctx.engine
@@ -67,10 +124,11 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
             "max_model_len": e.max_context}]})
 
     @app.post("/v1/chat/completions")
+    @served("chat.completions")
     async def chat_completions(request):
         engine = request.app.ctx.engine
         ids, params, features, meta = openai_chat.build(_json_body(request), engine, request.app.ctx.tolerant)
-        turns = [Turn(engine, ids, p, features).start() for p in params]
+        turns = _start(request, [(ids, p, features) for p in params], meta)
         if meta["stream"]:
             await stream(request, turns, openai_chat.StreamRenderer(meta, len(turns), engine.tokenizer))
             return None
@@ -78,22 +136,23 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
         return json_response(openai_chat.completion_body(meta, results, engine.tokenizer))
 
     @app.post("/v1/completions")
+    @served("completions")
     async def completions(request):
         engine = request.app.ctx.engine
-        body = _json_body(request)
-        jobs, meta = openai_completions.build(body, engine)
+        jobs, meta = openai_completions.build(_json_body(request), engine)
         n = len(jobs) // len(meta["prompts"])
-        turns = [Turn(engine, ids, p, openai_completions.FEATURES).start() for ids, p in jobs]
+        turns = _start(request, [(ids, p, openai_completions.FEATURES) for ids, p in jobs], meta)
         if meta["stream"]:
             await stream(request, turns, openai_completions.StreamRenderer(meta, len(turns), n, engine.tokenizer))
             return None
         return json_response(openai_completions.body_of(meta, await _collect_all(turns), engine.tokenizer, n))
 
     @app.post("/v1/messages")
+    @served("messages")
     async def messages(request):
         engine = request.app.ctx.engine
         ids, params, features, meta = anthropic_messages.build(_json_body(request), engine, request.app.ctx.tolerant)
-        turn = Turn(engine, ids, params, features).start()
+        turn, = _start(request, [(ids, params, features)], meta)
         if meta["stream"]:
             renderer = anthropic_messages.StreamRenderer(meta, len(ids))
             await stream(request, [turn], PieceRenderer(renderer))
@@ -102,10 +161,11 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
         return json_response(anthropic_messages.message_body(meta, reasoning, text, calls, done))
 
     @app.post("/v1/responses")
+    @served("responses")
     async def responses(request):
         engine = request.app.ctx.engine
         ids, params, features, meta = openai_responses.build(_json_body(request), engine, request.app.ctx.tolerant)
-        turn = Turn(engine, ids, params, features).start()
+        turn, = _start(request, [(ids, params, features)], meta)
         if meta["stream"]:
             await stream(request, [turn], PieceRenderer(openai_responses.StreamRenderer(meta)))
             return None
@@ -121,10 +181,60 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, tolerant_too
         raise APIError("use POST /v1/responses", 405, "invalid_request_error")
 
     @app.post("/v1/messages/count_tokens")
+    @served("messages.count_tokens")
     async def count_tokens(request):
         return json_response(anthropic_messages.count_tokens(_json_body(request), request.app.ctx.engine))
 
     return app
+
+
+def served(endpoint: str):
+    """Wraps a protocol handler: the HTTP-client limit, request stats, metrics and the request log."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def run(request, *a, **kw):
+            app = request.app
+            st = request.ctx.stats = RequestStats(endpoint)
+            if app.ctx.in_flight >= app.ctx.limits.max_http_clients:
+                app.ctx.metrics.finish(st, 503, request.headers.get("user-agent", ""), "too many clients")
+                raise APIError(f"the server is serving {app.ctx.in_flight} requests, its limit "
+                               "(--max-http-clients); retry shortly", 503, "overloaded_error",
+                               headers={"Retry-After": "1"})
+            app.ctx.in_flight += 1
+            status, error = 200, ""
+            try:
+                return await handler(request, *a, **kw)
+            except APIError as e:
+                status, error = e.status, e.message
+                raise
+            except asyncio.CancelledError:
+                status, error = 499, "client went away"
+                raise
+            finally:
+                app.ctx.in_flight -= 1
+                app.ctx.metrics.finish(st, status, request.headers.get("user-agent", ""), error)
+        return run
+    return wrap
+
+
+def _start(request, jobs, meta) -> list[Turn]:
+    """Submit the request's turns, unless the engine already has --max-pending-requests."""
+    app = request.app
+    if app.ctx.pending + len(jobs) > app.ctx.limits.max_pending_requests:
+        raise APIError(f"{app.ctx.pending} requests are pending, the server's limit (--max-pending-requests); "
+                       "retry shortly", 429, "rate_limit_error", headers={"Retry-After": "2"})
+    st = request.ctx.stats
+    st.stream = bool(meta.get("stream"))
+    turns = [Turn(app.ctx.engine, ids, p, f, stats=st) for ids, p, f in jobs]
+    for t in turns:
+        app.ctx.pending += 1
+        t.on_finish = functools.partial(_release, app)
+        t.start()
+    return turns
+
+
+def _release(app) -> None:
+    app.ctx.pending -= 1
 
 
 async def _collect_all(turns: list[Turn]):
@@ -141,6 +251,10 @@ async def _collect_all(turns: list[Turn]):
 
 def _json_body(request):
     try:
-        return json.loads(request.body or b"")
+        body = json.loads(request.body or b"")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    check_depth(body, "the request body")
+    return body

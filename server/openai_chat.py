@@ -14,7 +14,7 @@ from .errors import APIError, invalid
 from .parsing import ToolCall
 from .prompt import budget, render
 from .turn import Done, Features, features_for
-from .validate import get_bool, get_dict, get_int, get_number, get_stop
+from .validate import MAX_DEPTH, check_depth, get_bool, get_dict, get_int, get_number, get_stop
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 8
@@ -60,6 +60,10 @@ def _tool_calls(calls, where: str) -> list[dict]:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
                 pass
+            except RecursionError:
+                raise invalid(f"{where}: tool-call arguments are nested deeper than {MAX_DEPTH} levels",
+                              "messages") from None
+        check_depth(args, f"{where}: tool-call arguments", "messages")
         out.append({**c, "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 

@@ -18,7 +18,7 @@ from .openai_chat import sampling, tool_choice
 from .parsing import ToolCall
 from .prompt import budget, render
 from .turn import Done, features_for
-from .validate import get_bool, get_dict, get_int
+from .validate import MAX_DEPTH, check_depth, get_bool, get_dict, get_int
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
@@ -84,8 +84,9 @@ def parse_input(body) -> list[dict]:
             args = it.get("arguments", "{}")
             try:
                 args = json.loads(args) if isinstance(args, str) and args.strip() else (args or {})
-            except ValueError:
-                raise invalid(f"{where}.arguments is not valid JSON", "input") from None
+            except (ValueError, RecursionError):
+                raise invalid(f"{where}.arguments is not valid JSON of at most {MAX_DEPTH} levels", "input") from None
+            check_depth(args, f"{where}.arguments", "input")
             call = {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": args}}
             last = msgs[-1] if msgs else None
             if last and last["role"] == "assistant" and "tool_calls" in last:

@@ -170,7 +170,7 @@ class ToolCallParser:
     def _parse(self, raw: str, partial: bool = False) -> list[ToolCall] | None:
         try:
             return self._parse_json(raw, partial) if self.fmt == "json" else self._parse_xml(raw, partial)
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             return None
 
     def _parse_json(self, raw: str, partial: bool) -> list[ToolCall] | None:

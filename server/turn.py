@@ -46,8 +46,9 @@ def features_for(tokenizer, prompt_text: str, tools: list | None, tolerant: bool
 
 
 class Turn:
-    def __init__(self, engine, prompt_ids: list[int], params: SamplingParams, features: Features):
+    def __init__(self, engine, prompt_ids: list[int], params: SamplingParams, features: Features, stats=None):
         self.engine = engine
+        self.stats = stats                   # a metrics.RequestStats shared by the request's turns, or None
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.req = Request(prompt_ids=prompt_ids, params=params, on_event=self._deliver)
@@ -57,9 +58,19 @@ class Turn:
         self.prompt_tokens = len(prompt_ids)
         self.calls = 0
         self.finished = False
+        self.on_finish = None                # called once on the loop when the engine is done with it
+        self._released = False
 
     def _deliver(self, ev: Event) -> None:          # on the engine's thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        if ev.kind in ("done", "error"):
+            self.loop.call_soon_threadsafe(self._release)
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self.on_finish is not None:
+                self.on_finish()
 
     def start(self) -> Turn:
         self.engine.submit(self.req)
@@ -75,6 +86,8 @@ class Turn:
         except asyncio.TimeoutError:
             return None
         if ev.kind == "delta":
+            if self.stats is not None:
+                self.stats.on_tokens()
             out = self._parse(ev.text)
             if ev.logprobs:
                 out.append(("logprobs", ev.logprobs))
@@ -84,6 +97,8 @@ class Turn:
             return [("done", Done("error", self.prompt_tokens, 0, ev.message))]
         out = self._finish(ev.finish_reason or "stop")
         reason = "tool_calls" if self.calls and ev.finish_reason == "stop" else ev.finish_reason
+        if self.stats is not None:
+            self.stats.on_done(ev.prompt_tokens, ev.completion_tokens, reason)
         out.append(("done", Done(reason, ev.prompt_tokens, ev.completion_tokens, stop_sequence=ev.stop_sequence)))
         return out
 

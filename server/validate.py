@@ -6,6 +6,23 @@ from typing import Any
 from .errors import invalid
 
 _MISSING = object()
+MAX_DEPTH = 256      # deeper JSON (bodies, tool-call arguments) is refused: nothing real nests that far
+
+
+def check_depth(obj, what: str, param: str | None = None) -> None:
+    """400 when obj nests lists/objects deeper than MAX_DEPTH (iterative: no recursion to exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            children = o.values()
+        elif isinstance(o, list):
+            children = o
+        else:
+            continue
+        if d > MAX_DEPTH:
+            raise invalid(f"{what} is nested deeper than {MAX_DEPTH} levels", param)
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def get_number(body: dict, name: str, default, lo: float, hi: float):

@@ -60,16 +60,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server_url(smollm, tmp_path_factory):
-    """infernix-serve with the default model, on a free loopback port, as a user would start it."""
+def start_server(tmp_path_factory, *args: str):
+    """infernix-serve with the default model on a free loopback port, as a user would start it;
+    yields its URL and stops it afterwards."""
     import subprocess
     import sys
     import time
     import httpx
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--port", str(port), "--max-batch", "4"],
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--port", str(port), *args],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -90,3 +90,8 @@ def server_url(smollm, tmp_path_factory):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server_url(smollm, tmp_path_factory):
+    yield from start_server(tmp_path_factory, "--max-batch", "4")

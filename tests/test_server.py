@@ -151,3 +151,33 @@ def test_n_choices_and_usage(client):
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
         assert text == r.choices[i].message.content       # same seeds, same texts, streamed or not
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_metrics_endpoint_and_keep_alive(server_url, client):
+    client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=4)
+    r = httpx.get(server_url + "/metrics", timeout=30)
+    assert r.status_code == 200
+    text = r.text
+    for name in ("infernix_requests_total", "infernix_generation_tokens_total", "infernix_queue_depth",
+                 "infernix_time_to_first_token_seconds_bucket", "infernix_inter_token_latency_seconds_bucket",
+                 "infernix_kv_usage_ratio"):
+        assert name in text, name
+    assert 'infernix_requests_total{endpoint="chat.completions",status="200"}' in text
+    assert httpx.get(server_url + "/health", timeout=30).headers.get("keep-alive") == "timeout=360"
+
+
+def test_deep_nesting_is_refused(server_url):
+    deep = {"a": 1}
+    for _ in range(300):
+        deep = {"x": deep}
+    r = httpx.post(server_url + "/v1/chat/completions", timeout=30, json={"messages": QUESTION, "metadata": deep})
+    assert r.status_code == 400 and "deeper than 256" in r.json()["error"]["message"]
+    args = "[" * 300 + "]" * 300
+    r = httpx.post(server_url + "/v1/chat/completions", timeout=30, json={"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                                                            "function": {"name": "f", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]})
+    assert r.status_code == 400 and "deeper than 256" in r.json()["error"]["message"]
+    r = httpx.post(server_url + "/v1/chat/completions", timeout=30, content=b"[" * 5000 + b"]" * 5000)
+    assert r.status_code == 400

@@ -1,0 +1,75 @@
+"""Server limits on a second server started with them: API key, body size, pending requests, and
+the JSON-lines request log."""
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import start_server
+
+KEY = "sk-test-123"
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def limited(smollm, tmp_path_factory):
+    log = tmp_path_factory.mktemp("reqlog") / "requests.jsonl"
+    for url in start_server(tmp_path_factory, "--max-batch", "2", "--api-key", KEY, "--max-body-mb", "0.05",
+                            "--max-pending-requests", "1", "--log-requests", str(log)):
+        yield url, log
+
+
+def test_api_key(limited):
+    url, _ = limited
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(url + "/v1/messages", json={"messages": ASK, "max_tokens": 2}, timeout=60,
+                   headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    assert httpx.get(url + "/health", timeout=30).status_code == 200          # open without a key
+    good = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert good.chat.completions.create(model="m", messages=ASK, max_tokens=2).choices[0].message.content is not None
+    r = httpx.post(url + "/v1/messages", json={"model": "m", "messages": ASK, "max_tokens": 2}, timeout=60,
+                   headers={"x-api-key": KEY})
+    assert r.status_code == 200
+
+
+def test_body_too_large(limited):
+    url, _ = limited
+    big = [{"role": "user", "content": "x" * 100_000}]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": big}, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_pending_limit_and_request_log(limited):
+    url, log = limited
+    h = {"Authorization": f"Bearer {KEY}"}
+    started = threading.Event()
+
+    def long_stream():
+        with httpx.stream("POST", url + "/v1/chat/completions", headers=h, timeout=120, json={
+                "messages": ASK, "stream": True, "max_tokens": 150, "ignore_eos": True}) as r:
+            for _ in r.iter_lines():
+                started.set()
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(60)
+    r = httpx.post(url + "/v1/chat/completions", headers=h, json={"messages": ASK, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["type"] == "rate_limit_error"
+    t.join(120)
+    deadline = time.time() + 30           # the first request's slot comes back when it finishes
+    while time.time() < deadline:
+        r = httpx.post(url + "/v1/chat/completions", headers=h, json={"messages": ASK, "max_tokens": 2}, timeout=60)
+        if r.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200
+    lines = [json.loads(ln) for ln in log.read_text().splitlines()]
+    ok = [ln for ln in lines if ln["status"] == 200 and ln["endpoint"] == "chat.completions"]
+    assert any(ln["stream"] and ln["completion_tokens"] == 150 and ln["ttft_s"] is not None for ln in ok)
+    assert any(ln["status"] == 429 for ln in lines)
+    assert all({"duration_s", "prompt_tokens", "finish_reasons", "cached_tokens"} <= set(ln) for ln in lines)
