@@ -9,6 +9,7 @@ import secrets
 from infernix_jax.engine import SamplingParams
 
 from .errors import APIError
+from .openai_chat import constraint
 from .parsing import ToolCall
 from .prompt import budget, render
 from .turn import Done, Features, features_for
@@ -195,6 +196,12 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], SamplingPara
     display = thinking.get("display", "summarized") if isinstance(thinking, dict) else "summarized"
     if display not in ("summarized", "omitted", "full"):
         raise _field("thinking.display", "must be 'summarized', 'omitted' or 'full'")
+    out_cfg = body.get("output_config") if isinstance(body.get("output_config"), dict) else {}
+    try:
+        grammar = constraint(engine, out_cfg.get("format") or body.get("output_format"), "output_config.format",
+                             tools, None if forced is None else ("required" if forced == "any" else forced), kwargs)
+    except APIError as e:
+        raise invalid(e.message) from None
     ids, text = render(engine, messages, tools, kwargs)
     max_tokens = _get(get_int, body, "max_tokens", None, 1)
     if max_tokens is None:
@@ -207,7 +214,7 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], SamplingPara
         raise invalid("stop_sequences: must be a list of strings")
     stop = _get(get_stop, body, "stop_sequences")
     params = SamplingParams(max_tokens=budget(engine, len(ids), max_tokens), temperature=temperature,
-                            top_p=max(top_p, 1e-9), top_k=top_k, stop=stop)
+                            top_p=max(top_p, 1e-9), top_k=top_k, stop=stop, grammar=grammar)
     meta = {"id": "msg_" + secrets.token_hex(12), "model": body.get("model") if isinstance(body.get("model"), str)
             else engine.model_name, "stream": stream, "display": display, "forced_tool": forced}
     return ids, params, features_for(engine.tokenizer, text, tools, tolerant), meta

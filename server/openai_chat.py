@@ -11,8 +11,9 @@ import secrets
 from infernix_jax.engine import SamplingParams
 
 from .errors import APIError, invalid
-from .parsing import ToolCall
+from .parsing import ToolCall, tool_format_of
 from .prompt import budget, render
+from .structured import response_format_grammar, tool_call_grammar, validated
 from .turn import Done, Features, features_for
 from .validate import MAX_DEPTH, check_depth, get_bool, get_dict, get_int, get_number, get_stop
 
@@ -21,7 +22,6 @@ MAX_N = 8
 # Fields we cannot honour yet: refused when set, rather than silently ignored.
 UNSUPPORTED_IF_SET = {
     "logit_bias": lambda v: bool(v),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
 }
 
 
@@ -122,6 +122,19 @@ def tool_choice(body, tools):
                   "\"function\": {\"name\": ...}}", "tool_choice")
 
 
+def constraint(engine, fmt, fmt_param: str, tools, forced, template_kwargs: dict) -> str | None:
+    """The grammar a response format or a forced tool call imposes (None: free text). A constrained
+    reply starts at once, so thinking is switched off in the template for it."""
+    if forced is not None:
+        grammar = tool_call_grammar(tools, forced, tool_format_of(engine.tokenizer.chat_template or ""))
+        param = "tool_choice"
+    else:
+        grammar, param = response_format_grammar(fmt, fmt_param), fmt_param
+    if grammar is not None:
+        template_kwargs["enable_thinking"] = False
+    return validated(engine, grammar, param)
+
+
 def sampling(body, max_tokens: int) -> SamplingParams:
     """The sampling fields Chat and Completions share."""
     seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
@@ -177,9 +190,11 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], list[Samplin
         if effort not in ("none", "minimal", "low", "medium", "high", "xhigh"):
             raise invalid("'reasoning_effort' must be none, minimal, low, medium, high or xhigh", "reasoning_effort")
         kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
+    grammar = constraint(engine, body.get("response_format"), "response_format", tools, forced, kwargs)
     ids, text = render(engine, messages, tools, kwargs)
     n = get_int(body, "n", 1, 1, MAX_N)
     params = sampling(body, budget(engine, len(ids), requested_max_tokens(body)))
+    params.grammar = grammar
     stream = get_bool(body, "stream", False)
     opts = get_dict(body, "stream_options") or {}
     meta = {

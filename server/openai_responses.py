@@ -14,7 +14,7 @@ import secrets
 import time
 
 from .errors import invalid
-from .openai_chat import sampling, tool_choice
+from .openai_chat import constraint, sampling, tool_choice
 from .parsing import ToolCall
 from .prompt import budget, render
 from .turn import Done, features_for
@@ -161,8 +161,6 @@ def build(body, engine, tolerant: bool = False):
         raise invalid("'previous_response_id' needs stored responses, and this server stores none: send the "
                       "earlier items in 'input'", "previous_response_id")
     fmt = (get_dict(body, "text") or {}).get("format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise invalid("text.format other than 'text' is not supported yet by this server", "text")
     messages = parse_input(body)
     tools, spaces = parse_tools(body)
     chat_tc = body.get("tool_choice")
@@ -173,10 +171,12 @@ def build(body, engine, tolerant: bool = False):
     kwargs = {}
     if reasoning.get("effort") is not None:
         kwargs["enable_thinking"] = reasoning["effort"] not in ("none", "minimal")
+    grammar = constraint(engine, fmt, "text", tools, forced, kwargs)
     ids, text = render(engine, messages, tools, kwargs, "input")
     max_out = get_int(body, "max_output_tokens", None, 1)
     sampling_body = {k: body[k] for k in ("temperature", "top_p", "top_k", "seed", "stop") if k in body}
     params = sampling(sampling_body, budget(engine, len(ids), max_out, "max_output_tokens"))
+    params.grammar = grammar
     meta = {"id": "resp_" + secrets.token_hex(12), "created_at": int(time.time()),
             "model": body.get("model") if isinstance(body.get("model"), str) else engine.model_name,
             "stream": get_bool(body, "stream", False), "spaces": spaces, "forced_tool": forced,
@@ -186,7 +186,8 @@ def build(body, engine, tolerant: bool = False):
                      "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                      "max_output_tokens": max_out, "reasoning": reasoning or {"effort": None, "summary": None},
                      "store": body.get("store", False), "metadata": body.get("metadata") or {},
-                     "instructions": body.get("instructions")}}
+                     "instructions": body.get("instructions"),
+                     "text": {"format": fmt if isinstance(fmt, dict) else {"type": "text"}}}}
     return ids, params, features_for(engine.tokenizer, text, tools, tolerant), meta
 
 
@@ -206,7 +207,7 @@ def response_object(meta, output: list[dict], done: Done | None) -> dict:
             "error": {"code": "server_error", "message": done.error} if status == "failed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": meta["model"], "output": output, "previous_response_id": None,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "user": None,
+            "truncation": "disabled", "user": None,
             "usage": _usage(done), **meta["echo"]}
 
 

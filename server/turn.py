@@ -41,7 +41,8 @@ def features_for(tokenizer, prompt_text: str, tools: list | None, tolerant: bool
     reasoning = "<think>" in template or tokenizer.token_to_id("<think>") is not None
     tail = prompt_text[-200:]
     opened = reasoning and tail.rfind("<think>") > tail.rfind("</think>")
-    fmt = tool_format_of(template) if tools else None
+    # templates without a tool format still get the Hermes one: a forced call is written in it
+    fmt = (tool_format_of(template) or "json") if tools else None
     return Features(reasoning, opened, fmt, tools, tolerant)
 
 

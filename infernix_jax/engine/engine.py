@@ -16,6 +16,7 @@ from .block_manager import BlockManager
 from .plan import MemoryPlan, make_plan
 from .request import Event, Request, Result, SamplingParams
 from .runner import Runner, StepOutput
+from .constraints import Constraint, ll_tokenizer
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .stops import TextTracker
@@ -71,6 +72,8 @@ class Engine:
         self.check_fits(len(req.prompt_ids), p.max_tokens)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         seq = Sequence(req, TextTracker(self.tokenizer, tuple(p.stop)), stop_ids)
+        if p.grammar is not None:
+            seq.constraint = Constraint(ll_tokenizer(self.tokenizer, self.cfg.vocab_size, self.eos_ids), p.grammar)
         seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**31 - 1))
         seq.seed_key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
         self.scheduler.add(seq)
@@ -126,10 +129,12 @@ class Engine:
         if t in seq.stop_ids:
             self._finish(seq, "stop")
             return
+        if seq.constraint is not None:
+            seq.constraint.consume(t)
         text = seq.tracker.push(t)
         if text or lp:
             self._emit(seq, Event("delta", text=text, token_ids=(t,), logprobs=(lp,) if lp else ()))
-        if seq.tracker.stopped:
+        if seq.tracker.stopped or (seq.constraint is not None and seq.constraint.done):
             self._finish(seq, "stop")
         elif len(seq.out_ids) >= p.max_tokens or len(seq) >= self.max_context:
             self._finish(seq, "length")

@@ -26,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False        # return each sampled token's logprob
     top_logprobs: int = 0         # and this many alternatives (<= 20)
+    grammar: str | None = None    # an llguidance grammar the output must follow (engine/constraints.py)
 
     @property
     def penalized(self) -> bool:

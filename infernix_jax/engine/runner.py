@@ -68,6 +68,16 @@ class Runner:
             pres[i], freq[i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         return Penalties(out_ids, out_counts, seen_ids, pres, freq, rep)
 
+    def _allowed(self, plan, B: int) -> np.ndarray | None:
+        """Token bitmasks of constrained rows that sample this step (None when no row is constrained)."""
+        if not any(s.constraint is not None for s, _ in plan):
+            return None
+        mask = np.full((B, (self.cfg.vocab_size + 31) // 32), -1, np.int32)
+        for i, (s, n) in enumerate(plan):
+            if s.constraint is not None and s.num_computed + n == len(s):     # this row samples a token
+                s.constraint.fill(mask, i)
+        return mask
+
     def _block_table(self, seqs: list[Sequence], B: int) -> np.ndarray:
         M = steps.bucket(max(len(s.block_ids) for s in seqs), minimum=1)
         bt = np.zeros((B, M), np.int32)
@@ -109,7 +119,7 @@ class Runner:
         out, self.kv = steps.mixed_step(self.params, self.cfg, self.kv, tokens, positions, slots,
                                         self._block_table(seqs, B), kv_lens, cu_q, logits_idx, st, sampling,
                                         attn_impl=self.attn_impl, want_top=want_top,
-                                        penalties=self._penalties(seqs, B))
+                                        penalties=self._penalties(seqs, B), allowed=self._allowed(plan, B))
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
 

@@ -72,19 +72,32 @@ def _sample_sorted(logits, keys, s: SamplingArrays):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
 
 
-def sample(logits, steps, s: SamplingArrays, want_top: bool = False, penalties=None):
+def apply_allowed(logits, allowed):
+    """allowed [B, ceil(V/32)] int32 bitmask (bit j of word w allows token 32 w + j) -> logits with
+    every other token at -inf (llguidance's layout: little-endian bits)."""
+    V = logits.shape[-1]
+    bits = jnp.unpackbits(jax.lax.bitcast_convert_type(allowed, jnp.uint8).reshape(allowed.shape[0], -1),
+                          axis=-1, bitorder="little")[:, :V]
+    return jnp.where(bits.astype(bool), logits, -jnp.inf)
+
+
+def sample(logits, steps, s: SamplingArrays, want_top: bool = False, penalties=None, allowed=None):
     """logits [B, V] f32; steps [B] int32 (index of the token being drawn, per request);
-    penalties: None or (counts [B, V], seen [B, V], Penalties).
+    penalties: None or (counts [B, V], seen [B, V], Penalties); allowed: None or a token bitmask
+    [B, ceil(V/32)] int32 (constrained decoding; logprobs stay those of the unconstrained model).
     Returns ids [B] int32, their logprobs [B] f32 under the model's (unscaled) distribution, and,
     when want_top, the TOP_LOGPROBS best ids and logprobs [B, TOP_LOGPROBS]."""
     if penalties is not None:
         logits = apply_penalties(logits, *penalties)
+    raw = logits
+    if allowed is not None:
+        logits = apply_allowed(logits, allowed)
     greedy = jnp.argmax(logits, axis=-1)
     step_keys = jax.vmap(jax.random.fold_in)(s.keys, steps)
     sampled = jax.lax.cond(jnp.any(s.temperature > 0),
                            lambda: _sample_sorted(logits, step_keys, s), lambda: greedy)
     tok = jnp.where(s.temperature > 0, sampled, greedy).astype(jnp.int32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(raw, axis=-1)
     out = (tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0])
     if want_top:
         top_lp, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)

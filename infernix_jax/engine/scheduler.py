@@ -85,7 +85,8 @@ class Scheduler:
             plan.append((seq, n))
             budget -= n
         steps = 1
-        if self.decode_steps > 1 and plan and not self.waiting and all(s.decoding for s, _ in plan):
+        if self.decode_steps > 1 and plan and not self.waiting and all(s.decoding and s.constraint is None
+                                                                          for s, _ in plan):
             steps = self.decode_steps
             if sum(max(0, self.bm.blocks_for(s.num_computed + steps) - len(s.block_ids))
                    for s, _ in plan) <= self.bm.num_free:

@@ -30,6 +30,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text_parts: list[str] = []
         self.seed_key = None                  # uint32[2], set on admission
+        self.constraint = None                # constraints.Constraint when the output follows a grammar
 
     @property
     def all_ids(self) -> list[int]:

@@ -24,14 +24,15 @@ def bucket(n: int, minimum: int = 16) -> int:
 @partial(jax.jit, static_argnames=("cfg", "attn_impl", "want_top"), donate_argnames=("kv",))
 def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
                logits_idx, steps, sampling: SamplingArrays, attn_impl: str = "reference", want_top: bool = False,
-               penalties: Penalties | None = None):
+               penalties: Penalties | None = None, allowed=None):
     """A ragged batch of prefill chunks and decodes. tokens/positions/slots [N]; block_tables [B, M];
     kv_lens, logits_idx (flat index of each row's last token), steps [B]; cu_q [B + 1].
+    allowed: None or [B, ceil(V/32)] int32 token bitmasks (constrained rows; all ones elsewhere).
     Returns the sampled token of every row (and logprobs), and the pool."""
     h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl)
     logits = logits_from_hidden(params, cfg, h[logits_idx])                      # [B, V]
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
-    return sample(logits, steps, sampling, want_top, pen), kv
+    return sample(logits, steps, sampling, want_top, pen, allowed), kv
 
 
 @partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "want_top"), donate_argnames=("kv",))

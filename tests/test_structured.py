@@ -1,0 +1,96 @@
+"""Constrained decoding through the server: JSON schemas and forced tool calls hold even for the tiny
+default model (llguidance masks in the sampler)."""
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+ASK = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                           "is_capital": {"type": "boolean"}},
+          "required": ["city", "is_capital"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 24},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time",
+                                         "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 16}},
+                                                        "required": ["tz"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def valid(obj):
+    return set(obj) == {"city", "is_capital"} and isinstance(obj["city"], str) and isinstance(obj["is_capital"], bool)
+
+
+def test_chat_json_schema_and_json_object(client):
+    r = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}})
+    assert valid(json.loads(r.choices[0].message.content))
+    r = client.chat.completions.create(model="m", messages=ASK, temperature=0.7, seed=3, max_tokens=80,
+                                       response_format={"type": "json_object"})
+    content = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert content.startswith("{")
+
+
+def test_forced_tool_named_and_required(client):
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=80, tools=[WEATHER, TIME],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
+    assert args["unit"] in ("celsius", "fahrenheit") and call.id.startswith("call_")
+    chunks = list(client.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=80,
+                                                 tools=[WEATHER, TIME], tool_choice="required", stream=True))
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_responses_text_format_and_forced_function(client):
+    r = client.responses.create(model="m", input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}})
+    assert valid(json.loads(r.output_text))
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
+    r = client.responses.create(model="m", input="Weather in Rome?", temperature=0, max_output_tokens=80,
+                                tools=tools, tool_choice={"type": "function", "name": "get_weather"})
+    calls = [it for it in r.output if it.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and set(json.loads(calls[0].arguments)) == {"city", "unit"}
+
+
+def test_anthropic_forced_tool(server_url):
+    claude = anthropic.Anthropic(base_url=server_url, api_key="unused", max_retries=0, timeout=300)
+    tool = {"name": "get_weather", "description": "Weather for a city",
+            "input_schema": WEATHER["function"]["parameters"]}
+    m = claude.messages.create(model="m", max_tokens=80, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                               tools=[tool], tool_choice={"type": "tool", "name": "get_weather"},
+                               extra_body={"temperature": 0})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1
+    assert uses[0].name == "get_weather" and set(uses[0].input) == {"city", "unit"} and uses[0].id.startswith("toolu_")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wobble"}}}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+])
+def test_bad_structured_requests(server_url, body, param):
+    r = httpx.post(server_url + "/v1/chat/completions", json={"model": "m", "messages": ASK, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
