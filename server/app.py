@@ -110,7 +110,9 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
 
     @app.get("/health")
     async def health(request):
-        return json_response({"status": "ok"})
+        e = request.app.ctx.engine
+        return json_response({"status": "ok", "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                              "kv_free_blocks": e.bm.num_free, "kv_total_blocks": e.bm.num_blocks})
 
     @app.get("/metrics")
     async def metrics(request):

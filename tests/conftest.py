@@ -60,16 +60,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp_path_factory, *args: str):
+def start_server(tmp_path_factory, *args: str, cmd: tuple[str, ...] = ("-m", "scripts.serve", "--port")):
     """infernix-serve with the default model on a free loopback port, as a user would start it;
-    yields its URL and stops it afterwards."""
+    yields its URL and stops it afterwards. cmd: what follows the interpreter, up to the port."""
     import subprocess
     import sys
     import time
     import httpx
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--port", str(port), *args],
+    proc = subprocess.Popen([sys.executable, *cmd, str(port), *args],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300

@@ -1,0 +1,111 @@
+"""Tool-call and reasoning parsing through the whole server, with an engine that replays chosen
+output (tests/scripted_server.py): both tool-call formats, cut at every point across stream deltas,
+rendered by every protocol with the official SDKs."""
+import json
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from conftest import start_server
+
+SCRIPT_SERVER = str(Path(__file__).with_name("scripted_server.py"))
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+JSON_CALLS = ('<think>\nThe user wants weather.\n</think>\n\nChecking.<tool_call>\n{"name": "get_weather", '
+              '"arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+              '"arguments": {"city": "Rome"}}\n</tool_call>')
+XML_CALLS = ('<think>\nThe user wants weather.\n</think>\n\nChecking.<tool_call>\n<function=get_weather>\n'
+             '<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n'
+             '<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>')
+EXPECTED = [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]
+
+
+@pytest.fixture(scope="module", params=["json", "xml"])
+def scripted(request, qwen3_tokenizer_dir, tmp_path_factory):
+    extra = ("--xml",) if request.param == "xml" else ()
+    for url in start_server(tmp_path_factory, str(qwen3_tokenizer_dir), *extra, cmd=(SCRIPT_SERVER,)):
+        yield url, JSON_CALLS if request.param == "json" else XML_CALLS
+
+
+def ask(script: dict) -> list[dict]:
+    return [{"role": "user", "content": "SCRIPT:" + json.dumps(script)}]
+
+
+def chat_stream(client, script):
+    chunks = list(client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS, stream=True))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [(tc.function.name, json.loads(tc.function.arguments))
+             for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return reasoning, text, calls, finish
+
+
+def test_tool_calls_cut_everywhere(scripted):
+    url, text = scripted
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    for script in [{"text": text, "chars": True}, *({"text": text, "cuts": [k]} for k in range(len(text) + 1))]:
+        reasoning, content, calls, finish = chat_stream(client, script)
+        assert reasoning == "\nThe user wants weather.\n" and content == "Checking.", script
+        assert calls == EXPECTED and finish == ["tool_calls"], script
+
+
+def test_every_protocol_renders_the_calls(scripted):
+    url, text = scripted
+    script = {"text": text, "cuts": [5, 40, 41, 90]}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content == "Checking."
+    assert m.reasoning_content == "\nThe user wants weather.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == EXPECTED
+    rs = client.responses.create(model="m", input=ask(script), tools=[
+        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}])
+    kinds = [it.type for it in rs.output]
+    assert kinds == ["reasoning", "message", "function_call", "function_call"]
+    assert [(it.name, json.loads(it.arguments)) for it in rs.output if it.type == "function_call"] == EXPECTED
+    events = list(client.responses.create(model="m", input=ask(script), stream=True, tools=[
+        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]))
+    assert [it.type for it in events[-1].response.output] == kinds
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    tool = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+    for stream in (False, True):
+        if stream:
+            with claude.messages.stream(model="m", max_tokens=100, messages=ask(script), tools=[tool]) as s:
+                msg = s.get_final_message()
+        else:
+            msg = claude.messages.create(model="m", max_tokens=100, messages=ask(script), tools=[tool])
+        assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
+        assert msg.content[0].thinking == "\nThe user wants weather.\n" and msg.stop_reason == "tool_use"
+        assert [(b.name, b.input) for b in msg.content[2:]] == EXPECTED
+
+
+def test_cut_off_call_and_literal_tag(scripted):
+    url, text = scripted
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    cut = text[:text.index("Rome")]
+    r = client.chat.completions.create(model="m", messages=ask({"text": cut, "finish": "length"}), tools=TOOLS)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "length"
+    # json: the first call closed before the cut; xml: both functions sit in the one unclosed <tool_call>
+    closed = EXPECTED[:1] if text == JSON_CALLS else []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []] == closed
+    assert m.content.startswith("Checking.") and "<tool_call>" in m.content     # the cut call stays text
+    prose = "Use a <tool_call> tag to call tools. That is all."
+    reasoning, content, calls, finish = chat_stream(client, {"text": prose, "chars": True})
+    assert content == prose and calls == [] and finish == ["stop"]
+
+
+def test_tolerant_tool_calls_keep_a_cut_call(qwen3_tokenizer_dir, tmp_path_factory):
+    cut = JSON_CALLS[:JSON_CALLS.index("Rome") + 2]
+    for url in start_server(tmp_path_factory, str(qwen3_tokenizer_dir), "--tolerant", cmd=(SCRIPT_SERVER,)):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="m", messages=ask({"text": cut, "finish": "length"}), tools=TOOLS)
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+        assert calls == [EXPECTED[0], ("get_weather", {"city": "Ro"})]
+        assert r.choices[0].message.content == "Checking."
+        # only max_tokens / the context / a cancellation make a cut call worth keeping
+        r = client.chat.completions.create(model="m", messages=ask({"text": cut, "finish": "stop"}), tools=TOOLS)
+        assert len(r.choices[0].message.tool_calls) == 1
