@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     g.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (beyond: 413)")
     g.add_argument("--log-requests", default=None, metavar="PATH",
                    help="append one JSON line per request (timings, token counts, finish reasons) to PATH")
+    p.add_argument("--end-in-thinking", choices=["refuse", "allow"], default="refuse",
+                   help="refuse (default): while a reply's <think> block is open it can neither end nor open a "
+                        "tool call (EOS and <tool_call> are masked); allow: the model's own behaviour")
     p.add_argument("--tolerant-tool-calls", action="store_true",
                    help="keep a tool call that max_tokens, the context or a cancellation cut off (parsed as far "
                         "as it goes) instead of returning its text")
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
         limits = ServerLimits(api_key=a.api_key or os.environ.get("INFERNIX_API_KEY") or None,
                               max_http_clients=a.max_http_clients, max_pending_requests=a.max_pending_requests,
                               max_body_mb=a.max_body_mb, log_requests=a.log_requests,
-                              tolerant_tool_calls=a.tolerant_tool_calls)
+                              tolerant_tool_calls=a.tolerant_tool_calls, end_in_thinking=a.end_in_thinking)
         limits.check()                       # before loading a model: a bad flag fails in a second
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine

@@ -38,8 +38,11 @@ class ServerLimits:
     keep_alive_s: float = 360.0
     log_requests: str | None = None       # JSON-lines request log
     tolerant_tool_calls: bool = False
+    end_in_thinking: str = "refuse"       # refuse: no reply ends (or opens a tool call) inside <think>
 
     def check(self) -> None:
+        if self.end_in_thinking not in ("refuse", "allow"):
+            raise ValueError("--end-in-thinking must be 'refuse' or 'allow'")
         if not 1 <= self.max_pending_requests <= 1024:
             raise ValueError(f"--max-pending-requests must be between 1 and 1024, got {self.max_pending_requests}")
         if self.max_http_clients < 1:
@@ -227,7 +230,9 @@ def _start(request, jobs, meta) -> list[Turn]:
                        "retry shortly", 429, "rate_limit_error", headers={"Retry-After": "2"})
     st = request.ctx.stats
     st.stream = bool(meta.get("stream"))
-    turns = [Turn(app.ctx.engine, ids, p, f, stats=st) for ids, p, f in jobs]
+    refuse = app.ctx.limits.end_in_thinking == "refuse"
+    turns = [Turn(app.ctx.engine, ids, p, dataclasses.replace(f, refuse_end_in_thinking=refuse), stats=st)
+             for ids, p, f in jobs]
     for t in turns:
         app.ctx.pending += 1
         t.on_finish = functools.partial(_release, app)

@@ -34,6 +34,7 @@ class Features:
     tool_format: str | None = None     # json | xml | None
     tools: list | None = None
     tolerant_tool_calls: bool = False
+    refuse_end_in_thinking: bool = True   # --end-in-thinking refuse: no EOS / <tool_call> inside <think>
 
 
 def features_for(tokenizer, prompt_text: str, tools: list | None, tolerant: bool = False) -> Features:
@@ -52,6 +53,8 @@ class Turn:
         self.stats = stats                   # a metrics.RequestStats shared by the request's turns, or None
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        params.think_open = features.starts_in_reasoning
+        params.think_guard = features.reasoning and features.refuse_end_in_thinking
         self.req = Request(prompt_ids=prompt_ids, params=params, on_event=self._deliver)
         self.reasoning = ReasoningParser(in_reasoning=features.starts_in_reasoning) if features.reasoning else None
         self.tools = ToolCallParser(features.tool_format, features.tools) if features.tool_format else None

@@ -282,3 +282,49 @@ def test_chained_block_hashes_follow_the_prefix():
     bm.release(a)
     bm.release(b)
     assert bm.num_free == 8 and not bm.block_hash
+
+
+def test_think_guard_bans_ending_inside_thinking():
+    import jax.numpy as jnp
+    import numpy as np
+    from infernix_jax.engine.sampler import SamplingArrays, ThinkGuard, sample
+    V, EOS, CALL, START, END = 32, 5, 7, 3, 4
+    logits = np.zeros((3, V), np.float32)
+    logits[:, EOS], logits[:, CALL], logits[:, 9] = 9.0, 8.0, 1.0        # EOS, then <tool_call>, then 9
+    guard = ThinkGuard(open=np.array([True, False, True]), enabled=np.array([True, True, False]),
+                       banned=np.array([EOS, CALL], np.int32), start=np.int32(START), end=np.int32(END))
+    tok, _ = sample(jnp.asarray(logits), np.zeros(3, np.int32), SamplingArrays.greedy(3), guard=guard)
+    assert list(np.asarray(tok)) == [9, EOS, 9]                            # open rows cannot end
+    nxt = guard.after(jnp.asarray([END, START, 9]))
+    assert list(np.asarray(nxt.open)) == [False, True, False]             # </think> closes, <think> opens
+    allowed = np.zeros((3, 1), np.int32)
+    allowed[:, 0] = 1 << 2                                                 # only token 2
+    tok, _ = sample(jnp.asarray(logits), np.zeros(3, np.int32), SamplingArrays.greedy(3), allowed=allowed)
+    assert list(np.asarray(tok)) == [2, 2, 2]
+
+
+def test_loop_guard_detects_repeats_and_closes_thinking(smollm_engine):
+    from infernix_jax.engine import engine as eng
+    assert eng.repeats([1, 2] * 3 + list(range(10, 19)) * 4)
+    assert not eng.repeats(list(range(10, 19)) * 3)                        # three times is not yet a loop
+    assert not eng.repeats(list(range(100)))
+
+    class Seq:   # the fields _track_thinking reads
+        def __init__(self):
+            self.out_ids, self.thinking, self.think_from, self.id = [], False, 0, 0
+            self.params = SamplingParams(max_tokens=1000)
+    e = smollm_engine
+    saved = e.think_ids
+    e.think_ids = (900, 901, (2,))
+    try:
+        seq = Seq()
+        injected = []
+        for t in [900] + list(range(10, 18)) * 6:
+            seq.out_ids.append(t)
+            injected.append(e._track_thinking(seq, t))
+            if injected[-1]:
+                break                                                      # the engine stops there too
+        assert seq.thinking is False and seq.out_ids[-1] == 901 and injected.count(True) == 1
+        assert len(injected) >= 1 + 8 * 4                                  # not before four repeats
+    finally:
+        e.think_ids = saved

@@ -24,6 +24,27 @@ from .stops import TextTracker
 log = logging.getLogger("infernix.engine")
 
 
+def _think_ids(tokenizer, eos_ids) -> tuple[int, int, tuple[int, ...]] | None:
+    """(<think>, </think>, ids banned while thinking) when the vocabulary has thinking tokens."""
+    if tokenizer is None:
+        return None
+    start, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    if start is None or end is None:
+        return None
+    call = tokenizer.token_to_id("<tool_call>")
+    return start, end, tuple(eos_ids) + (() if call is None else (call,))
+
+
+def repeats(ids: list[int], min_period: int = 8, max_period: int = 128, times: int = 4) -> bool:
+    """The tail of ids is one chunk of min_period..max_period tokens repeated `times` times."""
+    a = np.asarray(ids[-max_period * times:], np.int64)
+    for L in range(min_period, min(max_period, len(a) // times) + 1):
+        tail = a[-L * times:]
+        if np.array_equal(tail[L:], tail[:-L]):
+            return True
+    return False
+
+
 class Engine:
     def __init__(self, model: LoadedModel, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  kv_cache_gib: float | None = None, memory_fraction: float = 0.9, block_size: int = 16, max_num_batched_tokens: int = 512,
@@ -46,6 +67,8 @@ class Engine:
         self.runner = Runner(model, self.plan.num_blocks, block_size,
                              attn_impl or ("pallas" if on_gpu else "reference"))
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
+        self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
+        self.runner.think_ids = self.think_ids
         self._rng = np.random.default_rng()
         self._inbox: queue.Queue[Request | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -110,13 +133,14 @@ class Engine:
             for j in range(len(out.ids)):
                 if k > 1:
                     seq.num_computed += 1
-                self._accept(seq, out, j)
-                if seq.status is not Status.RUNNING:
-                    break
+                if self._accept(seq, out, j) or seq.status is not Status.RUNNING:
+                    break        # finished, or the loop guard changed what comes next
             if seq.status is Status.RUNNING:
                 self.bm.seal_full_blocks(seq)
 
-    def _accept(self, seq: Sequence, out: StepOutput, j: int) -> None:
+    def _accept(self, seq: Sequence, out: StepOutput, j: int) -> bool:
+        """Take token j of a step's output. True when the loop guard injected </think>: the rest of a
+        multi-step dispatch was computed without it and is dropped."""
         t = int(out.ids[j])
         p = seq.params
         seq.out_ids.append(t)
@@ -128,16 +152,37 @@ class Engine:
             seq.out_logprobs.append(lp)
         if t in seq.stop_ids:
             self._finish(seq, "stop")
-            return
+            return False
         if seq.constraint is not None:
             seq.constraint.consume(t)
+        injected = self._track_thinking(seq, t)
         text = seq.tracker.push(t)
+        if injected:
+            text += seq.tracker.push(self.think_ids[1])
         if text or lp:
             self._emit(seq, Event("delta", text=text, token_ids=(t,), logprobs=(lp,) if lp else ()))
         if seq.tracker.stopped or (seq.constraint is not None and seq.constraint.done):
             self._finish(seq, "stop")
         elif len(seq.out_ids) >= p.max_tokens or len(seq) >= self.max_context:
             self._finish(seq, "length")
+        return injected
+
+    def _track_thinking(self, seq: Sequence, t: int) -> bool:
+        """Follow <think> / </think>; when an open block repeats itself, close it (append </think>)."""
+        if self.think_ids is None:
+            return False
+        start, end, _ = self.think_ids
+        if t == start and not seq.thinking:
+            seq.thinking, seq.think_from = True, len(seq.out_ids)
+        elif t == end:
+            seq.thinking = False
+        elif seq.thinking and seq.params.loop_guard and (len(seq.out_ids) - seq.think_from) % 16 == 0 \
+                and repeats(seq.out_ids[seq.think_from:]) and len(seq.out_ids) < seq.params.max_tokens:
+            log.warning("request %s: thinking repeats itself; closing the thinking block", seq.id)
+            seq.out_ids.append(end)
+            seq.thinking = False
+            return True
+        return False
 
     def _emit(self, seq: Sequence, ev: Event) -> None:
         if ev.kind == "delta":

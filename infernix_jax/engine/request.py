@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: bool = False        # return each sampled token's logprob
     top_logprobs: int = 0         # and this many alternatives (<= 20)
     grammar: str | None = None    # an llguidance grammar the output must follow (engine/constraints.py)
+    think_open: bool = False      # the prompt ends inside a <think> block
+    think_guard: bool = False     # while thinking, neither end the reply nor open a tool call
+    loop_guard: bool = True       # close a thinking block that repeats itself (injects </think>)
 
     @property
     def penalized(self) -> bool:

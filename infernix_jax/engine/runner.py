@@ -7,7 +7,7 @@ import numpy as np
 
 from ..models.paged import PagedKV, init_paged_kv
 from . import steps
-from .sampler import Penalties, SamplingArrays
+from .sampler import Penalties, SamplingArrays, ThinkGuard
 from .sequence import Sequence
 
 
@@ -26,6 +26,7 @@ class Runner:
         self.num_blocks = num_blocks
         self.attn_impl = attn_impl
         self.dtype = model.dtype
+        self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
         self.reset_kv()
 
     def reset_kv(self) -> None:
@@ -67,6 +68,20 @@ class Runner:
             p = s.params
             pres[i], freq[i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         return Penalties(out_ids, out_counts, seen_ids, pres, freq, rep)
+
+    def _guard(self, seqs: list[Sequence], B: int) -> ThinkGuard | None:
+        """The end-in-thinking guard (for every batch of a model with thinking tokens, enabled on the
+        rows that ask for it: one compiled variant, whatever the mix)."""
+        if self.think_ids is None:
+            return None
+        start, end, banned = self.think_ids
+        enabled = np.zeros((B,), bool)
+        is_open = np.zeros((B,), bool)
+        for i, s in enumerate(seqs):
+            enabled[i] = s.params.think_guard
+            is_open[i] = s.params.think_guard and s.thinking
+        return ThinkGuard(open=is_open, enabled=enabled, banned=np.asarray(banned, np.int32),
+                          start=np.int32(start), end=np.int32(end))
 
     def _allowed(self, plan, B: int) -> np.ndarray | None:
         """Token bitmasks of constrained rows that sample this step (None when no row is constrained)."""
@@ -119,7 +134,8 @@ class Runner:
         out, self.kv = steps.mixed_step(self.params, self.cfg, self.kv, tokens, positions, slots,
                                         self._block_table(seqs, B), kv_lens, cu_q, logits_idx, st, sampling,
                                         attn_impl=self.attn_impl, want_top=want_top,
-                                        penalties=self._penalties(seqs, B), allowed=self._allowed(plan, B))
+                                        penalties=self._penalties(seqs, B), allowed=self._allowed(plan, B),
+                                        guard=self._guard(seqs, B))
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
 
@@ -136,7 +152,7 @@ class Runner:
         out, self.kv = steps.decode_steps(self.params, self.cfg, self.kv, tokens, positions,
                                           self._block_table(seqs, B), valid, st, sampling, num_steps=k,
                                           attn_impl=self.attn_impl, want_top=want_top,
-                                          penalties=self._penalties(seqs, B))
+                                          penalties=self._penalties(seqs, B), guard=self._guard(seqs, B))
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
         return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
 
@@ -159,13 +175,13 @@ class Runner:
                         self.params, self.cfg, self.kv, np.zeros((N,), np.int32), np.zeros((N,), np.int32),
                         np.full((N,), dropped, np.int32), bt, np.ones((B,), np.int32),
                         np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, sampling, attn_impl=self.attn_impl,
-                        want_top=False, penalties=None)
-                    n += 1
+                        want_top=False, penalties=None, allowed=None, guard=self._guard([], B))
+                    n += 1    # (the same keywords as run(): jit keys its cache on them)
                 if decode_steps > 1:
                     _, self.kv = steps.decode_steps(
                         self.params, self.cfg, self.kv, zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
                         sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False,
-                        penalties=None)
+                        penalties=None, guard=self._guard([], B))
                     n += 1
         jax.block_until_ready(self.kv.k[0])
         return n

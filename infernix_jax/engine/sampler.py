@@ -72,6 +72,27 @@ def _sample_sorted(logits, keys, s: SamplingArrays):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
 
 
+@struct.dataclass
+class ThinkGuard:
+    """While a row's thinking block is open, it may neither end nor open a tool call: the EOS ids and
+    <tool_call> are banned until </think> (the server's --end-in-thinking refuse). open [B] bool,
+    enabled [B] bool (rows that asked for it); banned [K], start, end: token ids."""
+    open: jax.Array
+    enabled: jax.Array
+    banned: jax.Array
+    start: jax.Array
+    end: jax.Array
+
+    def apply(self, logits):
+        ban = jnp.zeros((logits.shape[-1],), bool).at[self.banned].set(True)
+        return jnp.where(self.open[:, None] & ban[None, :], -jnp.inf, logits)
+
+    def after(self, tok) -> "ThinkGuard":
+        """The state after each row drew tok [B]."""
+        is_open = self.enabled & ((self.open | (tok == self.start)) & (tok != self.end))
+        return self.replace(open=is_open)
+
+
 def apply_allowed(logits, allowed):
     """allowed [B, ceil(V/32)] int32 bitmask (bit j of word w allows token 32 w + j) -> logits with
     every other token at -inf (llguidance's layout: little-endian bits)."""
@@ -81,10 +102,11 @@ def apply_allowed(logits, allowed):
     return jnp.where(bits.astype(bool), logits, -jnp.inf)
 
 
-def sample(logits, steps, s: SamplingArrays, want_top: bool = False, penalties=None, allowed=None):
+def sample(logits, steps, s: SamplingArrays, want_top: bool = False, penalties=None, allowed=None, guard=None):
     """logits [B, V] f32; steps [B] int32 (index of the token being drawn, per request);
     penalties: None or (counts [B, V], seen [B, V], Penalties); allowed: None or a token bitmask
-    [B, ceil(V/32)] int32 (constrained decoding; logprobs stay those of the unconstrained model).
+    [B, ceil(V/32)] int32 (constrained decoding; logprobs stay those of the unconstrained model);
+    guard: None or a ThinkGuard.
     Returns ids [B] int32, their logprobs [B] f32 under the model's (unscaled) distribution, and,
     when want_top, the TOP_LOGPROBS best ids and logprobs [B, TOP_LOGPROBS]."""
     if penalties is not None:
@@ -92,6 +114,8 @@ def sample(logits, steps, s: SamplingArrays, want_top: bool = False, penalties=N
     raw = logits
     if allowed is not None:
         logits = apply_allowed(logits, allowed)
+    if guard is not None:
+        logits = guard.apply(logits)
     greedy = jnp.argmax(logits, axis=-1)
     step_keys = jax.vmap(jax.random.fold_in)(s.keys, steps)
     sampled = jax.lax.cond(jnp.any(s.temperature > 0),

@@ -31,6 +31,8 @@ class Sequence:
         self.text_parts: list[str] = []
         self.seed_key = None                  # uint32[2], set on admission
         self.constraint = None                # constraints.Constraint when the output follows a grammar
+        self.thinking = req.params.think_open   # inside a <think> block now
+        self.think_from = 0                   # index in out_ids where the open thinking block began
 
     @property
     def all_ids(self) -> list[int]:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from ..config import ModelConfig
 from ..models.llama import KVCache, forward, logits_from_hidden
 from ..models.paged import PagedKV, forward_paged
-from .sampler import Penalties, SamplingArrays, sample
+from .sampler import Penalties, SamplingArrays, ThinkGuard, sample
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -24,7 +24,7 @@ def bucket(n: int, minimum: int = 16) -> int:
 @partial(jax.jit, static_argnames=("cfg", "attn_impl", "want_top"), donate_argnames=("kv",))
 def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
                logits_idx, steps, sampling: SamplingArrays, attn_impl: str = "reference", want_top: bool = False,
-               penalties: Penalties | None = None, allowed=None):
+               penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None):
     """A ragged batch of prefill chunks and decodes. tokens/positions/slots [N]; block_tables [B, M];
     kv_lens, logits_idx (flat index of each row's last token), steps [B]; cu_q [B + 1].
     allowed: None or [B, ceil(V/32)] int32 token bitmasks (constrained rows; all ones elsewhere).
@@ -32,13 +32,13 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
     h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl)
     logits = logits_from_hidden(params, cfg, h[logits_idx])                      # [B, V]
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
-    return sample(logits, steps, sampling, want_top, pen, allowed), kv
+    return sample(logits, steps, sampling, want_top, pen, allowed, guard), kv
 
 
 @partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "want_top"), donate_argnames=("kv",))
 def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
                  sampling: SamplingArrays, num_steps: int, attn_impl: str = "reference", want_top: bool = False,
-                 penalties: Penalties | None = None):
+                 penalties: Penalties | None = None, guard: ThinkGuard | None = None):
     """num_steps decode steps in one dispatch. tokens (each row's last sampled token), positions (its
     position), steps [B]; valid [B] bool marks real rows. Returns per-step outputs stacked [num_steps, B]."""
     bs = kv.block_size
@@ -47,20 +47,22 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
     dense = None if penalties is None else penalties.dense(B, params["embed"].shape[0])
 
     def one(carry, _):
-        kv, tok, pos, st, dense = carry
+        kv, tok, pos, st, dense, guard = carry
         blk = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
         slots = jnp.where(valid, blk * bs + pos % bs, dropped)
         kv_lens = jnp.where(valid, pos + 1, 1)
         h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, attn_impl)
         pen = None if dense is None else (*dense, penalties)
-        out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, pen)
+        out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, pen, guard=guard)
+        if guard is not None:
+            guard = guard.after(out[0])
         if dense is not None:  # the drawn token joins the history of the next step
             counts, seen = dense
             rows = jnp.arange(B)
             dense = (counts.at[rows, out[0]].add(1), seen.at[rows, out[0]].set(True))
-        return (kv, out[0], pos + 1, st + 1, dense), out
+        return (kv, out[0], pos + 1, st + 1, dense, guard), out
 
-    (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense), None, length=num_steps)
+    (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard), None, length=num_steps)
     return outs, kv
 
 
