@@ -285,6 +285,7 @@ def sse(event: str, data: dict) -> str:
 
 class StreamRenderer:
     """Turn pieces -> Anthropic SSE events, opening and closing content blocks as the kind changes."""
+    heartbeat_is_event = True        # ping is an event: message_start goes first
 
     def __init__(self, meta: dict, prompt_tokens: int):
         self.meta, self.prompt_tokens = meta, prompt_tokens

@@ -39,6 +39,7 @@ class ServerLimits:
     log_requests: str | None = None       # JSON-lines request log
     tolerant_tool_calls: bool = False
     end_in_thinking: str = "refuse"       # refuse: no reply ends (or opens a tool call) inside <think>
+    heartbeat_s: float = 5.0              # SSE heartbeat after this long without output
 
     def check(self) -> None:
         if self.end_in_thinking not in ("refuse", "allow"):
@@ -135,7 +136,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
         ids, params, features, meta = openai_chat.build(_json_body(request), engine, request.app.ctx.tolerant)
         turns = _start(request, [(ids, p, features) for p in params], meta)
         if meta["stream"]:
-            await stream(request, turns, openai_chat.StreamRenderer(meta, len(turns), engine.tokenizer))
+            await stream(request, turns, openai_chat.StreamRenderer(meta, len(turns), engine.tokenizer), _hb(request))
             return None
         results = await _collect_all(turns)
         return json_response(openai_chat.completion_body(meta, results, engine.tokenizer))
@@ -148,7 +149,8 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
         n = len(jobs) // len(meta["prompts"])
         turns = _start(request, [(ids, p, openai_completions.FEATURES) for ids, p in jobs], meta)
         if meta["stream"]:
-            await stream(request, turns, openai_completions.StreamRenderer(meta, len(turns), n, engine.tokenizer))
+            await stream(request, turns, openai_completions.StreamRenderer(meta, len(turns), n, engine.tokenizer),
+                         _hb(request))
             return None
         return json_response(openai_completions.body_of(meta, await _collect_all(turns), engine.tokenizer, n))
 
@@ -160,7 +162,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
         turn, = _start(request, [(ids, params, features)], meta)
         if meta["stream"]:
             renderer = anthropic_messages.StreamRenderer(meta, len(ids))
-            await stream(request, [turn], PieceRenderer(renderer))
+            await stream(request, [turn], PieceRenderer(renderer), _hb(request))
             return None
         reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
         return json_response(anthropic_messages.message_body(meta, reasoning, text, calls, done))
@@ -172,7 +174,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
         ids, params, features, meta = openai_responses.build(_json_body(request), engine, request.app.ctx.tolerant)
         turn, = _start(request, [(ids, params, features)], meta)
         if meta["stream"]:
-            await stream(request, [turn], PieceRenderer(openai_responses.StreamRenderer(meta)))
+            await stream(request, [turn], PieceRenderer(openai_responses.StreamRenderer(meta)), _hb(request))
             return None
         reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
         return json_response(openai_responses.body_of(meta, reasoning, text, calls, done))
@@ -238,6 +240,10 @@ def _start(request, jobs, meta) -> list[Turn]:
         t.on_finish = functools.partial(_release, app)
         t.start()
     return turns
+
+
+def _hb(request) -> float:
+    return request.app.ctx.limits.heartbeat_s
 
 
 def _release(app) -> None:

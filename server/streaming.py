@@ -38,6 +38,10 @@ class PieceRenderer:
     def heartbeat(self) -> str:
         return self.r.heartbeat()
 
+    @property
+    def heartbeat_is_event(self) -> bool:
+        return getattr(self.r, "heartbeat_is_event", False)
+
     def pieces(self, index: int, pieces: list) -> list[str]:
         return [s for kind, v in pieces for s in self.r.piece(kind, v)]
 
@@ -79,14 +83,19 @@ def first_error(pieces: list) -> str | None:
 async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: float = HEARTBEAT_S) -> None:
     response = None
     opening: list[str] | None = None     # the protocol's opening events, rendered before any piece
+    opened = False                       # the opening events went out
+    # SSE comments may precede the first event; a protocol whose heartbeat is an event (Anthropic's
+    # ping) must send its opening event first
+    beat_opens = getattr(renderer, "heartbeat_is_event", False)
 
-    async def send(parts: list[str]):
-        nonlocal response, opening
+    async def send(parts: list[str], with_opening: bool = True):
+        nonlocal response, opened
         if not parts:
             return
         if response is None:
             response = await request.respond(content_type="text/event-stream", headers=SSE_HEADERS)
-            parts, opening = opening + parts, []
+        if with_opening and not opened:
+            parts, opened = opening + parts, True
         await asyncio.wait_for(response.send("".join(parts)), PAUSED_READER_S)
 
     try:
@@ -94,7 +103,7 @@ async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: fl
             if opening is None:
                 opening = renderer.start()
             if item is None:
-                await send([renderer.heartbeat()])
+                await send([renderer.heartbeat()], with_opening=beat_opens)
                 continue
             i, pieces = item
             if response is None and (err := first_error(pieces)):

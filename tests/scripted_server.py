@@ -50,6 +50,7 @@ class ScriptedEngine:
         text = script["text"]
         cuts = list(range(1, len(text))) if script.get("chars") else sorted(script.get("cuts", []))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        time.sleep(script.get("first_delay", 0))          # a long prefill
         for n, piece in enumerate(pieces):
             if req.cancelled.is_set():
                 req.on_event(Event("done", finish_reason="abort", prompt_tokens=len(req.prompt_ids),
@@ -66,7 +67,7 @@ def main() -> None:
     tok = Tokenizer.from_hf_dir(tok_dir)
     if "--xml" in sys.argv:
         tok.chat_template += "{# <tool_call><function=NAME> (Qwen3-Coder format) #}"
-    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv)
+    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3)
     app = create_app(ScriptedEngine(tok), name="scripted", warmup=False, limits=limits)
     app.run(host="127.0.0.1", port=port, single_process=True, motd=False, access_log=False)
 

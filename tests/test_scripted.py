@@ -109,3 +109,28 @@ def test_tolerant_tool_calls_keep_a_cut_call(qwen3_tokenizer_dir, tmp_path_facto
         # only max_tokens / the context / a cancellation make a cut call worth keeping
         r = client.chat.completions.create(model="m", messages=ask({"text": cut, "finish": "stop"}), tools=TOOLS)
         assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_heartbeats_during_a_long_prefill(scripted):
+    """No bytes before the first token unless the wait passes the heartbeat interval (0.3 s on this
+    server); then each protocol's own heartbeat keeps the stream alive until the first token."""
+    import time
+
+    import httpx
+    url, _ = scripted
+    cases = [("/v1/chat/completions", {"messages": None}, ": keep-alive"),
+             ("/v1/messages", {"messages": None, "max_tokens": 10}, "event: ping"),
+             ("/v1/responses", {"input": None}, ": keep-alive")]
+    for path, template, beat in cases:
+        for delay, expect_beats in ((0.0, False), (1.2, True)):
+            msgs = ask({"text": "Hello there.", "first_delay": delay})
+            body = {k: (msgs if v is None else v) for k, v in template.items()}
+            t0 = time.time()
+            with httpx.stream("POST", url + path, json={"model": "m", "stream": True, **body}, timeout=60) as r:
+                lines = list(r.iter_lines())
+            assert r.status_code == 200 and time.time() - t0 >= delay
+            first_data = next(i for i, ln in enumerate(lines) if ln.startswith("data:"))
+            beats = [i for i, ln in enumerate(lines) if ln.startswith(beat)]
+            assert bool(beats) == expect_beats, (path, delay, lines[:6])
+            if beats and beat.startswith(":"):
+                assert beats[0] < first_data          # comments go out alone: the first event is real output
