@@ -157,27 +157,14 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
     @app.post("/v1/messages")
     @served("messages")
     async def messages(request):
-        engine = request.app.ctx.engine
-        ids, params, features, meta = anthropic_messages.build(_json_body(request), engine, request.app.ctx.tolerant)
-        turn, = _start(request, [(ids, params, features)], meta)
-        if meta["stream"]:
-            renderer = anthropic_messages.StreamRenderer(meta, len(ids))
-            await stream(request, [turn], PieceRenderer(renderer), _hb(request))
-            return None
-        reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
-        return json_response(anthropic_messages.message_body(meta, reasoning, text, calls, done))
+        return await _one_turn(request, anthropic_messages.build, anthropic_messages.message_body,
+                               lambda meta, ids: anthropic_messages.StreamRenderer(meta, len(ids)))
 
     @app.post("/v1/responses")
     @served("responses")
     async def responses(request):
-        engine = request.app.ctx.engine
-        ids, params, features, meta = openai_responses.build(_json_body(request), engine, request.app.ctx.tolerant)
-        turn, = _start(request, [(ids, params, features)], meta)
-        if meta["stream"]:
-            await stream(request, [turn], PieceRenderer(openai_responses.StreamRenderer(meta)), _hb(request))
-            return None
-        reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
-        return json_response(openai_responses.body_of(meta, reasoning, text, calls, done))
+        return await _one_turn(request, openai_responses.build, openai_responses.body_of,
+                               lambda meta, ids: openai_responses.StreamRenderer(meta))
 
     @app.get("/v1/responses")
     async def responses_websocket(request):
@@ -240,6 +227,19 @@ def _start(request, jobs, meta) -> list[Turn]:
         t.on_finish = functools.partial(_release, app)
         t.start()
     return turns
+
+
+async def _one_turn(request, build, body_of, make_renderer):
+    """The protocols with one reply per request (Messages, Responses): build -> one turn -> a streamed
+    reply through the protocol's piece renderer, or one JSON body."""
+    engine = request.app.ctx.engine
+    ids, params, features, meta = build(_json_body(request), engine, request.app.ctx.tolerant)
+    turn, = _start(request, [(ids, params, features)], meta)
+    if meta["stream"]:
+        await stream(request, [turn], PieceRenderer(make_renderer(meta, ids)), _hb(request))
+        return None
+    reasoning, text, calls, _, done = (await _collect_all([turn]))[0]
+    return json_response(body_of(meta, reasoning, text, calls, done))
 
 
 def _hb(request) -> float:

@@ -242,6 +242,17 @@ def completion_body(meta, results: list[tuple[str, str, list, list, Done]], toke
                                                sum(r[4].completion_tokens for r in results))}
 
 
+def stream_end(meta: dict, obj: str, done: list, prompt_tokens: int) -> list[str]:
+    """The end of an OpenAI chunk stream: a usage chunk when stream_options.include_usage asked for
+    one (once every choice is done), then [DONE]."""
+    out = []
+    if meta["include_usage"] and all(done):
+        body = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"], "choices": [],
+                "usage": usage(prompt_tokens, sum(d.completion_tokens for d in done))}
+        out.append("data: " + json.dumps(body) + "\n\n")
+    return out + ["data: [DONE]\n\n"]
+
+
 class StreamRenderer:
     def __init__(self, meta: dict, n: int, tokenizer):
         self.meta, self.n, self.tokenizer = meta, n, tokenizer
@@ -291,10 +302,5 @@ class StreamRenderer:
         return out
 
     def end(self) -> list[str]:
-        out = []
-        if self.meta["include_usage"] and all(self.done):
-            body = {"id": self.meta["id"], "object": "chat.completion.chunk", "created": self.meta["created"],
-                    "model": self.meta["model"], "choices": [],
-                    "usage": usage(self.done[0].prompt_tokens, sum(d.completion_tokens for d in self.done))}
-            out.append("data: " + json.dumps(body) + "\n\n")
-        return out + ["data: [DONE]\n\n"]
+        return stream_end(self.meta, "chat.completion.chunk", self.done,
+                          self.done[0].prompt_tokens if all(self.done) else 0)

@@ -11,7 +11,7 @@ import secrets
 import time
 
 from .errors import invalid
-from .openai_chat import MAX_N, requested_max_tokens, sampling, seeds_for, usage
+from .openai_chat import MAX_N, requested_max_tokens, sampling, seeds_for, stream_end, usage
 from .prompt import budget, check_room
 from .turn import Done, Features
 from .validate import get_bool, get_dict, get_int
@@ -140,10 +140,4 @@ class StreamRenderer:
         return out
 
     def end(self) -> list[str]:
-        out = []
-        if self.meta["include_usage"] and all(self.done):
-            body = {"id": self.meta["id"], "object": "text_completion", "created": self.meta["created"],
-                    "model": self.meta["model"], "choices": [],
-                    "usage": usage(sum(len(p) for p in self.meta["prompts"]), sum(d.completion_tokens for d in self.done))}
-            out.append("data: " + json.dumps(body) + "\n\n")
-        return out + ["data: [DONE]\n\n"]
+        return stream_end(self.meta, "text_completion", self.done, sum(len(p) for p in self.meta["prompts"]))
