@@ -202,7 +202,8 @@ def served(endpoint: str):
                 status, error = e.status, e.message
                 raise
             except asyncio.CancelledError:
-                status, error = 499, "client went away"
+                if not st.delivered:       # leaving after the last event is a served request
+                    status, error = 499, "client went away"
                 raise
             finally:
                 app.ctx.in_flight -= 1

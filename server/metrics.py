@@ -28,6 +28,7 @@ class RequestStats:
     cached_tokens: int = 0
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     stream: bool = False
+    delivered: bool = False    # a stream's last event went out (the client may leave at once)
 
     def on_tokens(self) -> None:
         now = time.perf_counter()

@@ -110,6 +110,8 @@ async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: fl
                 raise APIError(err, 500, "server_error")     # nothing sent yet: a plain HTTP error
             await send(renderer.pieces(i, pieces))
         await send(renderer.end())
+        if (st := getattr(request.ctx, "stats", None)) is not None:
+            st.delivered = True
         if response is not None:
             await response.eof()
     finally:

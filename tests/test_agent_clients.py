@@ -1,14 +1,13 @@
 """The real agent clients, installed from npm (pinned versions, cached under $INFERNIX_HOME), run
-headless against the loopback server with the default model: Codex (Responses API) and opencode
-(Chat Completions with tools and stream_options). Claude Code (Anthropic Messages) finishes against
-the server when started by hand (see the README) but not yet under this harness; it is installed here
-so that the next step can find out why. Each must finish
-with exit code 0, print the model's reply, and the server must have answered its endpoint with 200.
-The tiny model's replies are not judged; the protocols are."""
+headless against the loopback server with the default model: Codex (Responses API), opencode
+(Chat Completions with tools and stream_options) and Claude Code (Anthropic Messages). Each must
+finish with exit code 0, print the model's reply, and the server must have answered its endpoint
+with 200. The tiny model's replies are not judged; the protocols are."""
 import json
 import os
 import re
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -39,19 +38,36 @@ def server_url(smollm, tmp_path_factory):
     yield from start_server(tmp_path_factory, "--max-batch", "4")
 
 
-def served(server_url, endpoint: str) -> float:
-    text = httpx.get(server_url + "/metrics", timeout=30).text
-    m = re.search(r'infernix_requests_total\{endpoint="%s",status="200"\} ([0-9.e+]+)' % re.escape(endpoint), text)
-    return float(m.group(1)) if m else 0.0
+def served(server_url, endpoint: str, more_than: float = -1.0) -> float:
+    """The server's count of 200 answers on an endpoint. A streamed request is counted when its
+    handler returns, which can be a moment after the client has read the last event and exited:
+    with more_than, wait up to 15 s for the count to pass it."""
+    deadline = time.time() + 15
+    while True:
+        text = httpx.get(server_url + "/metrics", timeout=30).text
+        m = re.search(r'infernix_requests_total\{endpoint="%s",status="200"\} ([0-9.e+]+)' % re.escape(endpoint), text)
+        n = float(m.group(1)) if m else 0.0
+        if n > more_than or time.time() > deadline:
+            return n
+        time.sleep(0.25)
 
 
-def run_client(cmd, env, cwd, timeout=600):
+def run_client(cmd, env, cwd, timeout=300):
+    """Output goes to files, not pipes: an agent's helper processes may hold inherited pipes open
+    after it exits, and its own log (printed on failure) says where it stopped."""
     full = {"PATH": os.environ["PATH"], "HOME": str(cwd / "home"), "DISABLE_TELEMETRY": "1", **env}
     (cwd / "home").mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(cmd, env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, f"{cmd[0]} exited {r.returncode}: {r.stderr[-1500:]}"
-    assert r.stdout.strip(), f"{cmd[0]} printed no reply: {r.stderr[-1500:]}"
-    return r
+    out, err = cwd / "stdout.txt", cwd / "stderr.txt"
+    with open(out, "w") as o, open(err, "w") as e:
+        try:
+            r = subprocess.run(cmd, env=full, cwd=cwd, stdout=o, stderr=e, timeout=timeout,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{cmd[0]} did not finish in {timeout} s: {err.read_text()[-3000:]}")
+    stdout, stderr = out.read_text(), err.read_text()
+    assert r.returncode == 0, f"{cmd[0]} exited {r.returncode}: {stderr[-1500:]}"
+    assert stdout.strip(), f"{cmd[0]} printed no reply: {stderr[-1500:]}"
+    return stdout
 
 
 def test_codex_exec(npm_bin, server_url, tmp_path):
@@ -63,7 +79,7 @@ def test_codex_exec(npm_bin, server_url, tmp_path):
         "supports_websockets = true\n\n[analytics]\nenabled = false\n")
     run_client([str(npm_bin / "codex"), "exec", "--skip-git-repo-check", "Say hello."],
                {"CODEX_HOME": str(tmp_path / "codex"), "LOCAL_API_KEY": "x"}, tmp_path)
-    assert served(server_url, "responses") > before
+    assert served(server_url, "responses", more_than=before) > before
 
 
 def test_opencode_run(npm_bin, server_url, tmp_path):
@@ -75,5 +91,13 @@ def test_opencode_run(npm_bin, server_url, tmp_path):
                                "options": {"baseURL": server_url + "/v1", "apiKey": "x"},
                                "models": {"test-model": {"name": "test-model"}}}},
         "model": "local/test-model"}))
-    run_client([str(npm_bin / "opencode"), "run", "Say hello."], {"OPENCODE_DISABLE_MODELS_FETCH": "1"}, tmp_path)
-    assert served(server_url, "chat.completions") > before
+    run_client([str(npm_bin / "opencode"), "run", "--print-logs", "Say hello."], {"OPENCODE_DISABLE_MODELS_FETCH": "1"}, tmp_path)
+    assert served(server_url, "chat.completions", more_than=before) > before
+
+
+def test_claude_code_print(npm_bin, server_url, tmp_path):
+    before = served(server_url, "messages")
+    run_client([str(npm_bin / "claude"), "-p", "Say hello.", "--model", "test-model"],
+               {"ANTHROPIC_BASE_URL": server_url, "ANTHROPIC_AUTH_TOKEN": "x",
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, tmp_path)
+    assert served(server_url, "messages", more_than=before) > before
