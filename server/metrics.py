@@ -94,9 +94,11 @@ class Metrics:
             if error:
                 line["error"] = error
             with self._log_lock:
-                self._log.write(json.dumps(line, ensure_ascii=False) + "\n")
-                self._log.flush()
+                if not self._log.closed:     # a request cancelled by the shutdown ends after close()
+                    self._log.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    self._log.flush()
 
     def close(self) -> None:
         if self._log is not None:
-            self._log.close()
+            with self._log_lock:
+                self._log.close()

@@ -41,7 +41,10 @@ def npm_bin():
 def server_url(smollm, tmp_path_factory):
     """A fresh server for each client: an agent may leave background requests running when it exits
     (titles, compaction), which would slow the next client's turn on a 2-core machine."""
-    yield from start_server(tmp_path_factory, "--max-batch", "4")
+    log = tmp_path_factory.mktemp("requests") / "requests.jsonl"
+    for url in start_server(tmp_path_factory, "--max-batch", "4", "--log-requests", str(log)):
+        yield url
+        print(f"request log {log}:\n" + (log.read_text()[-4000:] if log.exists() else "(empty)"))
 
 
 def served(server_url, endpoint: str, more_than: float = -1.0) -> float:
