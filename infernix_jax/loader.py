@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from . import generation_config
 from .config import ConfigError, ModelConfig
 from .hub import ALIASES, resolve
 from .models.params import declare_params
@@ -25,6 +26,7 @@ class LoadedModel:
     params: dict
     tokenizer: Tokenizer | None
     dtype: object
+    generation_defaults: dict = dataclasses.field(default_factory=dict)   # see generation_config.py
 
 
 def _gguf_config(path: Path, kv: dict, src: GGUFSource) -> ModelConfig:
@@ -41,7 +43,7 @@ def _load_gguf(path: Path, dtype, with_tokenizer: bool):
     cfg = _gguf_config(path, kv, src)
     tok = Tokenizer.from_gguf_metadata(kv) if with_tokenizer else None
     params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
-    return cfg, params, tok
+    return cfg, params, tok, generation_config.from_gguf(kv)
 
 
 def _load_hf_dir(path: Path, dtype, with_tokenizer: bool):
@@ -51,7 +53,7 @@ def _load_hf_dir(path: Path, dtype, with_tokenizer: bool):
     if cfg.tie_word_embeddings is False and not src.has("lm_head.weight") and src.has("model.embed_tokens.weight"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # some checkpoints omit the flag
     params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
-    return cfg, params, tok
+    return cfg, params, tok, generation_config.from_hf_dir(path)
 
 
 def load_config(spec: str) -> ModelConfig:
@@ -77,16 +79,16 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True) -
     jdt = DTYPES[dtype]
     try:
         if path.is_dir():
-            cfg, params, tok = _load_hf_dir(path, jdt, with_tokenizer)
+            cfg, params, tok, gen = _load_hf_dir(path, jdt, with_tokenizer)
         elif path.suffix == ".gguf" or _looks_like_gguf(path):
-            cfg, params, tok = _load_gguf(path, jdt, with_tokenizer)
+            cfg, params, tok, gen = _load_gguf(path, jdt, with_tokenizer)
         else:
             raise ModelLoadError(f"{path} is not a model: pass a Hugging Face model directory "
                                  f"(config.json + safetensors), a .gguf file or an alias")
-    except (ConfigError, TokenizerError) as e:
+    except (ConfigError, TokenizerError, ValueError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
-                       tokenizer=tok, dtype=jdt)
+                       tokenizer=tok, dtype=jdt, generation_defaults=gen)
 
 
 def _looks_like_gguf(path: Path) -> bool:

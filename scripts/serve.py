@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -35,6 +36,16 @@ def main(argv=None) -> int:
     p.add_argument("--tolerant-tool-calls", action="store_true",
                    help="keep a tool call that max_tokens, the context or a cancellation cut off (parsed as far "
                         "as it goes) instead of returning its text")
+    g = p.add_argument_group("sampling defaults (for the fields a request leaves out)")
+    g.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto (default): the model's own defaults (generation_config.json, or a GGUF's "
+                        "general.sampling.* keys), as vLLM does; none: the protocols' defaults (temperature 1)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="defaults over the model's, e.g. '{\"temperature\": 0.6, \"top_k\": 20}'; fields: "
+                        "temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
+                        "frequency_penalty, max_new_tokens")
+    g.add_argument("--max-new-tokens", "-n", type=int, default=None,
+                   help="cap on the tokens of any one reply (like llama-server's -n; default: what fits the context)")
     p.add_argument("--plan", action="store_true",
                    help="print what a start would allocate (weights, KV pool, ...) without loading, and exit")
 
@@ -59,8 +70,10 @@ def main(argv=None) -> int:
         limits = ServerLimits(api_key=a.api_key or os.environ.get("INFERNIX_API_KEY") or None,
                               max_http_clients=a.max_http_clients, max_pending_requests=a.max_pending_requests,
                               max_body_mb=a.max_body_mb, log_requests=a.log_requests,
-                              tolerant_tool_calls=a.tolerant_tool_calls, end_in_thinking=a.end_in_thinking)
+                              tolerant_tool_calls=a.tolerant_tool_calls, end_in_thinking=a.end_in_thinking,
+                              max_new_tokens=a.max_new_tokens)
         limits.check()                       # before loading a model: a bad flag fails in a second
+        override = _override(a.override_generation_config)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
@@ -69,6 +82,8 @@ def main(argv=None) -> int:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json); the server needs one")
         if a.served_model_name:
             model.name = a.served_model_name
+        _apply_generation_config(limits, model.generation_defaults if a.generation_config == "auto" else {},
+                                 override)
         engine = Engine(model, **engine_kwargs(a))
         print(engine.plan.describe(), file=sys.stderr)
         if a.warmup == "full":
@@ -81,6 +96,29 @@ def main(argv=None) -> int:
             raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
 
     return run("infernix-serve", go)
+
+
+def _override(text: str | None) -> dict:
+    from infernix_jax import generation_config
+    if text is None:
+        return {}
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--override-generation-config is not valid JSON: {e}") from None
+    return generation_config.check(d, "--override-generation-config")
+
+
+def _apply_generation_config(limits, model_defaults: dict, override: dict) -> None:
+    """The model's defaults, then the override; max_new_tokens joins --max-new-tokens (the lower wins)."""
+    from infernix_jax import generation_config
+    d = {**model_defaults, **override}
+    cap = d.pop("max_new_tokens", None)
+    if cap is not None:
+        limits.max_new_tokens = min(cap, limits.max_new_tokens or cap)
+    limits.sampling_defaults = d
+    print(f"infernix-serve: sampling defaults {generation_config.describe(d)}; max new tokens "
+          f"{limits.max_new_tokens or 'as the context allows'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ class ServerLimits:
     tolerant_tool_calls: bool = False
     end_in_thinking: str = "refuse"       # refuse: no reply ends (or opens a tool call) inside <think>
     heartbeat_s: float = 5.0              # SSE heartbeat after this long without output
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # for sampling fields a body leaves out
+    max_new_tokens: int | None = None     # cap on every reply's max_tokens
 
     def check(self) -> None:
         if self.end_in_thinking not in ("refuse", "allow"):
@@ -50,6 +52,8 @@ class ServerLimits:
             raise ValueError("--max-http-clients must be >= 1")
         if self.max_body_mb <= 0:
             raise ValueError("--max-body-mb must be > 0")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")
 
 
 OPEN_PATHS = {"/health", "/metrics"}       # no API key needed
@@ -220,14 +224,26 @@ def _start(request, jobs, meta) -> list[Turn]:
                        "retry shortly", 429, "rate_limit_error", headers={"Retry-After": "2"})
     st = request.ctx.stats
     st.stream = bool(meta.get("stream"))
+    st.prompt_tokens = max(len(ids) for ids, _, _ in jobs)    # known now, also for a request cut short
     refuse = app.ctx.limits.end_in_thinking == "refuse"
-    turns = [Turn(app.ctx.engine, ids, p, dataclasses.replace(f, refuse_end_in_thinking=refuse), stats=st)
+    turns = [Turn(app.ctx.engine, ids, _with_defaults(app.ctx.limits, request.ctx.body, p),
+                  dataclasses.replace(f, refuse_end_in_thinking=refuse), stats=st)
              for ids, p, f in jobs]
     for t in turns:
         app.ctx.pending += 1
         t.on_finish = functools.partial(_release, app)
         t.start()
     return turns
+
+
+def _with_defaults(limits: ServerLimits, body: dict, p):
+    """The server's sampling defaults (the model's generation config, --override-generation-config)
+    for each field the body leaves out (absent or null: every protocol names them alike), and the
+    --max-new-tokens cap."""
+    over = {k: v for k, v in limits.sampling_defaults.items() if body.get(k) is None}
+    if limits.max_new_tokens is not None and p.max_tokens > limits.max_new_tokens:
+        over["max_tokens"] = limits.max_new_tokens
+    return dataclasses.replace(p, **over) if over else p
 
 
 async def _one_turn(request, build, body_of, make_renderer):
@@ -271,4 +287,5 @@ def _json_body(request):
     except RecursionError:
         raise APIError(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
     check_depth(body, "the request body")
+    request.ctx.body = body if isinstance(body, dict) else {}
     return body

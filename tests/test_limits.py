@@ -1,5 +1,5 @@
-"""Server limits on a second server started with them: API key, body size, pending requests, and
-the JSON-lines request log."""
+"""Server limits on a second server started with them: API key, body size, pending requests, the
+JSON-lines request log, and sampling defaults with a reply cap (--override-generation-config)."""
 import json
 import threading
 import time
@@ -18,7 +18,8 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 def limited(smollm, tmp_path_factory):
     log = tmp_path_factory.mktemp("reqlog") / "requests.jsonl"
     for url in start_server(tmp_path_factory, "--max-batch", "2", "--api-key", KEY, "--max-body-mb", "0.05",
-                            "--max-pending-requests", "1", "--log-requests", str(log)):
+                            "--max-pending-requests", "1", "--log-requests", str(log),
+                            "--override-generation-config", '{"temperature": 0, "max_new_tokens": 200}'):
         yield url, log
 
 
@@ -73,3 +74,19 @@ def test_pending_limit_and_request_log(limited):
     assert any(ln["stream"] and ln["completion_tokens"] == 150 and ln["ttft_s"] is not None for ln in ok)
     assert any(ln["status"] == 429 for ln in lines)
     assert all({"duration_s", "prompt_tokens", "finish_reasons", "cached_tokens"} <= set(ln) for ln in lines)
+
+
+def test_generation_config_override(limited):
+    """temperature 0 by default (two unseeded requests agree, and with an explicit 0); an explicit
+    temperature still samples; max_new_tokens caps what a request asks for."""
+    url, _ = limited
+    c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    ask = [{"role": "user", "content": "Write a long story about a dragon."}]
+    texts = [c.chat.completions.create(model="m", messages=ask, max_tokens=24, **kw).choices[0].message.content
+             for kw in ({}, {}, {"temperature": 0})]
+    assert texts[0] == texts[1] == texts[2]
+    hot = {c.chat.completions.create(model="m", messages=ask, max_tokens=24, temperature=1.5,
+                                     seed=s).choices[0].message.content for s in range(3)}
+    assert len(hot) > 1
+    r = c.chat.completions.create(model="m", messages=ask, max_tokens=500, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 200 and r.choices[0].finish_reason == "length"
