@@ -22,7 +22,7 @@ from sanic.response import raw
 from . import anthropic_messages, openai_chat, openai_completions, openai_responses
 from .errors import APIError, protocol_of
 from .metrics import Metrics, RequestStats
-from .streaming import PieceRenderer, stream
+from .streaming import PieceRenderer, ReaderPaused, stream
 from .turn import Turn
 from .validate import MAX_DEPTH, check_depth
 
@@ -40,6 +40,7 @@ class ServerLimits:
     tolerant_tool_calls: bool = False
     end_in_thinking: str = "refuse"       # refuse: no reply ends (or opens a tool call) inside <think>
     heartbeat_s: float = 5.0              # SSE heartbeat after this long without output
+    paused_reader_s: float = 60.0         # a stream whose reader takes no data this long is cancelled
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # for sampling fields a body leaves out
     max_new_tokens: int | None = None     # cap on every reply's max_tokens
 
@@ -205,6 +206,9 @@ def served(endpoint: str):
             except APIError as e:
                 status, error = e.status, e.message
                 raise
+            except ReaderPaused as e:      # its turns are cancelled and the connection is closed
+                status, error = 499, str(e)
+                return None
             except asyncio.CancelledError:
                 if not st.delivered:       # leaving after the last event is a served request
                     status, error = 499, "client went away"

@@ -4,8 +4,8 @@ this module decides when the stream opens, when to send heartbeats, and when to 
 - The stream opens with its first real event (honest time to first token): headers go out with the
   first output, or with the first heartbeat when a long prefill delays it.
 - A heartbeat (the protocol's own: an SSE comment or a ping event) every HEARTBEAT_S without output.
-- A reader that stops reading for PAUSED_READER_S, or goes away, cancels its requests (their KV is
-  freed by the engine at its next step)."""
+- A reader that stops reading for the server's paused_reader_s (60 s), or goes away, cancels its
+  requests (their KV is freed by the engine at its next step)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +15,11 @@ from .errors import APIError
 from .turn import Turn
 
 HEARTBEAT_S = 5.0
-PAUSED_READER_S = 60.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ReaderPaused(Exception):
+    """The client stopped taking data: its request was cancelled and the connection closed."""
 
 
 class Renderer(Protocol):
@@ -87,6 +90,7 @@ async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: fl
     # SSE comments may precede the first event; a protocol whose heartbeat is an event (Anthropic's
     # ping) must send its opening event first
     beat_opens = getattr(renderer, "heartbeat_is_event", False)
+    paused_s = request.app.ctx.limits.paused_reader_s
 
     async def send(parts: list[str], with_opening: bool = True):
         nonlocal response, opened
@@ -96,7 +100,11 @@ async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: fl
             response = await request.respond(content_type="text/event-stream", headers=SSE_HEADERS)
         if with_opening and not opened:
             parts, opened = opening + parts, True
-        await asyncio.wait_for(response.send("".join(parts)), PAUSED_READER_S)
+        try:
+            await asyncio.wait_for(response.send("".join(parts)), paused_s)
+        except asyncio.TimeoutError:
+            request.transport.abort()      # unsent bytes are dropped; the socket is free at once
+            raise ReaderPaused(f"the client read nothing for {paused_s:g} s") from None
 
     try:
         async for item in merged(turns, heartbeat_s):
@@ -110,8 +118,7 @@ async def stream(request, turns: list[Turn], renderer: Renderer, heartbeat_s: fl
                 raise APIError(err, 500, "server_error")     # nothing sent yet: a plain HTTP error
             await send(renderer.pieces(i, pieces))
         await send(renderer.end())
-        if (st := getattr(request.ctx, "stats", None)) is not None:
-            st.delivered = True
+        request.ctx.stats.delivered = True
         if response is not None:
             await response.eof()
     finally:

@@ -1,8 +1,9 @@
 """A server whose engine replays scripted output instead of running a model, for parser and protocol
 tests: the user message carries `SCRIPT:{"text": ..., "cuts": [...], "finish": ...}` and the engine
-emits that text in deltas cut at those offsets (or one character per delta with "chars": true).
+emits that text in deltas cut at those offsets (or one character per delta with "chars": true),
+"repeat" times over (default once).
 
-    python tests/scripted_server.py PORT TOKENIZER_DIR [--xml] [--tolerant]
+    python tests/scripted_server.py PORT TOKENIZER_DIR [--xml] [--tolerant] [--paused-reader-s S]
 
 --xml marks the chat template as a Qwen3-Coder one, so tool calls are parsed in the XML format;
 --tolerant is the server's --tolerant-tool-calls."""
@@ -49,7 +50,7 @@ class ScriptedEngine:
         script, _ = json.JSONDecoder().raw_decode(prompt[i + len(MARK):]) if i >= 0 else ({"text": "ok"}, 0)
         text = script["text"]
         cuts = list(range(1, len(text))) if script.get("chars") else sorted(script.get("cuts", []))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] * script.get("repeat", 1)
         time.sleep(script.get("first_delay", 0))          # a long prefill
         for n, piece in enumerate(pieces):
             if req.cancelled.is_set():
@@ -67,7 +68,8 @@ def main() -> None:
     tok = Tokenizer.from_hf_dir(tok_dir)
     if "--xml" in sys.argv:
         tok.chat_template += "{# <tool_call><function=NAME> (Qwen3-Coder format) #}"
-    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3)
+    paused = float(sys.argv[sys.argv.index("--paused-reader-s") + 1]) if "--paused-reader-s" in sys.argv else 60.0
+    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3, paused_reader_s=paused)
     app = create_app(ScriptedEngine(tok), name="scripted", warmup=False, limits=limits)
     app.run(host="127.0.0.1", port=port, single_process=True, motd=False, access_log=False)
 

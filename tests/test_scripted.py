@@ -134,3 +134,37 @@ def test_heartbeats_during_a_long_prefill(scripted):
             assert bool(beats) == expect_beats, (path, delay, lines[:6])
             if beats and beat.startswith(":"):
                 assert beats[0] < first_data          # comments go out alone: the first event is real output
+
+
+def test_paused_reader_is_cancelled(qwen3_tokenizer_dir, tmp_path_factory):
+    """A client that stops reading keeps its request for the server's paused-reader time (2 s on this
+    server, 60 s by default); then the request is cancelled (499 in /metrics) and its connection
+    closed. A client reading the same long stream steadily is served to the end."""
+    import re
+    import socket
+    import time
+
+    import httpx
+
+    def count(url, status):
+        m = re.search(r'infernix_requests_total\{endpoint="chat.completions",status="%s"\} ([0-9.e+]+)' % status,
+                      httpx.get(url + "/metrics", timeout=30).text)
+        return float(m.group(1)) if m else 0.0
+
+    long_reply = {"text": "word " * 400, "cuts": list(range(200, 2000, 200)), "repeat": 3000}   # ~6 MB of SSE
+    body = {"model": "m", "stream": True, "messages": ask(long_reply)}
+    for url in start_server(tmp_path_factory, str(qwen3_tokenizer_dir), "--paused-reader-s", "2", cmd=(SCRIPT_SERVER,)):
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+            read = sum(len(b) for b in r.iter_bytes())          # a steady reader gets all of it
+        assert read > 5_000_000 and count(url, 200) == 1
+        small = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+        with httpx.Client(transport=small, timeout=120) as c, c.stream("POST", url + "/v1/chat/completions",
+                                                                      json=body) as r:
+            it = r.iter_bytes()
+            assert next(it)
+            t0 = time.time()
+            while count(url, 499) == 0 and time.time() - t0 < 60:    # the client reads nothing now
+                time.sleep(0.25)
+            waited = time.time() - t0
+            assert count(url, 499) == 1 and 2 <= waited < 30, waited
+        assert count(url, 200) == 1 and httpx.get(url + "/health", timeout=30).status_code == 200
