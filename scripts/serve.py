@@ -16,7 +16,10 @@ def main(argv=None) -> int:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: %(default)s)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may ask for (the first is the id /v1/models reports; default: "
+                        "the model's alias or directory name); '*' accepts any name, for clients that send their "
+                        "own; a request naming another model gets 404")
     p.add_argument("--warmup", choices=["basic", "full", "none"], default="basic",
                    help="compile before serving: basic = the batch-1 shapes, full = every bucketed shape the "
                         "limits allow (minutes for a big model, then no request ever waits on a compile)")
@@ -80,8 +83,9 @@ def main(argv=None) -> int:
         model = load_model(a.model, dtype=a.dtype)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json); the server needs one")
-        if a.served_model_name:
-            model.name = a.served_model_name
+        names = tuple(a.served_model_name or (model.name,))
+        limits.model_names = names
+        model.name = next((n for n in names if n != "*"), model.name)
         _apply_generation_config(limits, model.generation_defaults if a.generation_config == "auto" else {},
                                  override)
         engine = Engine(model, **engine_kwargs(a))

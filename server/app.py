@@ -43,6 +43,7 @@ class ServerLimits:
     paused_reader_s: float = 60.0         # a stream whose reader takes no data this long is cancelled
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # for sampling fields a body leaves out
     max_new_tokens: int | None = None     # cap on every reply's max_tokens
+    model_names: tuple[str, ...] = ("*",)  # names a request's "model" may take ("*": any)
 
     def check(self) -> None:
         if self.end_in_thinking not in ("refuse", "allow"):
@@ -292,4 +293,16 @@ def _json_body(request):
         raise APIError(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
     check_depth(body, "the request body")
     request.ctx.body = body if isinstance(body, dict) else {}
+    _check_model(request.app.ctx.limits.model_names, request.ctx.body.get("model"))
     return body
+
+
+def _check_model(names: tuple[str, ...], model) -> None:
+    """An absent model means the served one; a name the server does not serve is a 404 (vLLM's answer)."""
+    if model is None or "*" in names:
+        return
+    if not isinstance(model, str):
+        raise APIError(f"'model' must be a string, got {type(model).__name__}", 400, "invalid_request_error", "model")
+    if model not in names:
+        raise APIError(f"the model '{model[:200]}' does not exist on this server; it serves "
+                       f"{', '.join(repr(n) for n in names)}", 404, "not_found_error", "model", "model_not_found")

@@ -53,6 +53,11 @@ def qwen3_tokenizer_dir():
     return dest
 
 
+# the model names the tests' servers accept: the alias first (what /v1/models reports), then the short
+# names the tests send
+SERVED_NAMES = ("--served-model-name", "smollm2-135m-instruct", "m", "test-model")
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -94,4 +99,4 @@ def start_server(tmp_path_factory, *args: str, cmd: tuple[str, ...] = ("-m", "sc
 
 @pytest.fixture(scope="session")
 def server_url(smollm, tmp_path_factory):
-    yield from start_server(tmp_path_factory, "--max-batch", "4")
+    yield from start_server(tmp_path_factory, "--max-batch", "4", *SERVED_NAMES)

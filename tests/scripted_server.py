@@ -69,7 +69,8 @@ def main() -> None:
     if "--xml" in sys.argv:
         tok.chat_template += "{# <tool_call><function=NAME> (Qwen3-Coder format) #}"
     paused = float(sys.argv[sys.argv.index("--paused-reader-s") + 1]) if "--paused-reader-s" in sys.argv else 60.0
-    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3, paused_reader_s=paused)
+    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3, paused_reader_s=paused,
+                          model_names=("m", "scripted"))
     app = create_app(ScriptedEngine(tok), name="scripted", warmup=False, limits=limits)
     app.run(host="127.0.0.1", port=port, single_process=True, motd=False, access_log=False)
 

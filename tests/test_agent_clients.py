@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import start_server
+from conftest import SERVED_NAMES, start_server
 
 CLIENTS = {"@openai/codex": "0.169.0", "@anthropic-ai/claude-code": "2.1.328", "opencode-ai": "1.18.33"}
 
@@ -38,7 +38,7 @@ def server_url(smollm, tmp_path_factory):
     of at most 48 tokens: the tiny model's sampled rambling (or a loop of tool calls) would otherwise
     decide how long a test runs."""
     log = tmp_path_factory.mktemp("requests") / "requests.jsonl"
-    for url in start_server(tmp_path_factory, "--max-batch", "4", "--log-requests", str(log),
+    for url in start_server(tmp_path_factory, "--max-batch", "4", "--log-requests", str(log), *SERVED_NAMES,
                             "--max-new-tokens", "48", "--override-generation-config", '{"temperature": 0}'):
         yield url
         print(f"request log {log}:\n" + (log.read_text()[-4000:] if log.exists() else "(empty)"))

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import start_server
+from conftest import SERVED_NAMES, start_server
 
 KEY = "sk-test-123"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -17,7 +17,7 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def limited(smollm, tmp_path_factory):
     log = tmp_path_factory.mktemp("reqlog") / "requests.jsonl"
-    for url in start_server(tmp_path_factory, "--max-batch", "2", "--api-key", KEY, "--max-body-mb", "0.05",
+    for url in start_server(tmp_path_factory, "--max-batch", "2", "--api-key", KEY, "--max-body-mb", "0.05", *SERVED_NAMES,
                             "--max-pending-requests", "1", "--log-requests", str(log),
                             "--override-generation-config", '{"temperature": 0, "max_new_tokens": 200}'):
         yield url, log

@@ -123,6 +123,26 @@ def test_sdk_raises_bad_request(client):
         client.chat.completions.create(model="m", messages=QUESTION, top_p=3)
 
 
+def test_unknown_model_is_404_in_each_protocol(server_url, client):
+    import anthropic
+    with pytest.raises(openai.NotFoundError, match="gpt-9") as e:
+        client.chat.completions.create(model="gpt-9", messages=QUESTION, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "smollm2-135m-instruct" in e.value.message
+    ac = anthropic.Anthropic(base_url=server_url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):
+        ac.messages.create(model="claude-9", max_tokens=2, messages=QUESTION)
+    with pytest.raises(anthropic.NotFoundError):
+        ac.messages.count_tokens(model="claude-9", messages=QUESTION)
+    r = httpx.post(server_url + "/v1/responses", json={"model": "gpt-9", "input": "hi"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(server_url + "/v1/completions", json={"model": 7, "prompt": "hi"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    for name in ("m", "smollm2-135m-instruct"):              # the served names, and none at all
+        assert client.completions.create(model=name, prompt="Hi", max_tokens=1).choices
+    r = httpx.post(server_url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200
+
+
 def test_query_string_and_developer_role_and_parts(server_url):
     body = {"model": "m", "temperature": 0, "max_tokens": 8, "messages": [
         {"role": "developer", "content": "Answer briefly."},
@@ -133,12 +153,33 @@ def test_query_string_and_developer_role_and_parts(server_url):
 
 def test_client_disconnect_mid_stream_leaves_server_healthy(server_url, client):
     with httpx.stream("POST", server_url + "/v1/chat/completions", timeout=60, json={
-            "model": "m", "messages": QUESTION, "stream": True, "max_tokens": 400, "ignore_eos": True}) as r:
+            "model": "m", "messages": QUESTION, "stream": True, "max_tokens": 4000, "ignore_eos": True}) as r:
         for line in r.iter_lines():
             if '"content": "' in line and '""' not in line:
                 break  # walk away mid-stream
+    _wait_idle(server_url, 20)        # cancelled: 4000 tokens would take minutes on the CPU
     out = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=8)
     assert out.choices[0].message.content
+
+
+def _status_count(server_url, status: int) -> float:
+    import re
+    m = re.search(r'infernix_requests_total\{endpoint="chat.completions",status="%d"\} ([0-9.e+]+)' % status,
+                  httpx.get(server_url + "/metrics", timeout=30).text)
+    return float(m.group(1)) if m else 0.0
+
+
+def _wait_idle(server_url, seconds: float) -> dict:
+    """/health once nothing runs or waits and every KV block is free (or at the deadline)."""
+    import time
+    deadline = time.time() + seconds
+    while True:
+        h = httpx.get(server_url + "/health", timeout=30).json()
+        if (h["running"] == 0 and h["waiting"] == 0 and h["kv_free_blocks"] == h["kv_total_blocks"]) \
+                or time.time() > deadline:
+            assert h["status"] == "ok" and h["running"] == 0 and h["kv_free_blocks"] == h["kv_total_blocks"], h
+            return h
+        time.sleep(0.25)
 
 
 def test_n_choices_and_usage(client):
@@ -184,11 +225,14 @@ def test_deep_nesting_is_refused(server_url):
 
 
 def test_32_streams_8_walk_away_all_blocks_come_back(server_url):
-    """32 concurrent streaming clients, 8 of which disconnect mid-way: the other 24 complete, and
-    afterwards every KV block is free and the server is healthy."""
+    """32 concurrent streaming clients, 8 of which disconnect mid-way: the other 24 complete, the 8 are
+    cancelled (499; they asked for 4000 tokens each, minutes of work had they run on), and afterwards
+    every KV block is free and the server is healthy."""
+    left_before = _status_count(server_url, 499)
+
     def one(i):
         body = {"model": "m", "messages": [{"role": "user", "content": f"Count to {i + 5}."}], "stream": True,
-                "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+                "max_tokens": 4000 if i % 4 == 0 else 24, "ignore_eos": True, "temperature": 0}
         with httpx.stream("POST", server_url + "/v1/chat/completions", json=body, timeout=300) as r:
             n = 0
             for line in r.iter_lines():
@@ -202,11 +246,5 @@ def test_32_streams_8_walk_away_all_blocks_come_back(server_url):
     with cf.ThreadPoolExecutor(32) as ex:
         outcomes = list(ex.map(one, range(32)))
     assert outcomes.count("left") == 8 and outcomes.count("done") == 24
-    import time
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        h = httpx.get(server_url + "/health", timeout=30).json()
-        if h["running"] == 0 and h["waiting"] == 0 and h["kv_free_blocks"] == h["kv_total_blocks"]:
-            break
-        time.sleep(0.5)
-    assert h["status"] == "ok" and h["kv_free_blocks"] == h["kv_total_blocks"], h
+    _wait_idle(server_url, 30)
+    assert _status_count(server_url, 499) - left_before == 8
