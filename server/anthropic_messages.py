@@ -217,7 +217,9 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], SamplingPara
                             top_p=max(top_p, 1e-9), top_k=top_k, stop=stop, grammar=grammar)
     meta = {"id": "msg_" + secrets.token_hex(12), "model": body.get("model") if isinstance(body.get("model"), str)
             else engine.model_name, "stream": stream, "display": display, "forced_tool": forced}
-    return ids, params, features_for(engine.tokenizer, text, tools, tolerant), meta
+    tc = body.get("tool_choice")
+    parallel = not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)
+    return ids, params, features_for(engine.tokenizer, text, tools, tolerant, parallel), meta
 
 
 def _get(fn, body, name, *a):

@@ -206,7 +206,8 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], list[Samplin
         "logprobs": params.logprobs,
         "forced_tool": forced,
     }
-    return ids, seeds_for(params, n), features_for(engine.tokenizer, text, tools, tolerant), meta
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    return ids, seeds_for(params, n), features_for(engine.tokenizer, text, tools, tolerant, parallel), meta
 
 
 def logprobs_content(tokenizer, entries) -> list[dict]:

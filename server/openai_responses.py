@@ -188,7 +188,8 @@ def build(body, engine, tolerant: bool = False):
                      "store": body.get("store", False), "metadata": body.get("metadata") or {},
                      "instructions": body.get("instructions"),
                      "text": {"format": fmt if isinstance(fmt, dict) else {"type": "text"}}}}
-    return ids, params, features_for(engine.tokenizer, text, tools, tolerant), meta
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    return ids, params, features_for(engine.tokenizer, text, tools, tolerant, parallel), meta
 
 
 # ---- output ----------------------------------------------------------------------------------

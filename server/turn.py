@@ -35,16 +35,18 @@ class Features:
     tools: list | None = None
     tolerant_tool_calls: bool = False
     refuse_end_in_thinking: bool = True   # --end-in-thinking refuse: no EOS / <tool_call> inside <think>
+    parallel_tool_calls: bool = True   # False: the reply ends with its first complete call
 
 
-def features_for(tokenizer, prompt_text: str, tools: list | None, tolerant: bool = False) -> Features:
+def features_for(tokenizer, prompt_text: str, tools: list | None, tolerant: bool = False,
+                 parallel: bool = True) -> Features:
     template = tokenizer.chat_template or ""
     reasoning = "<think>" in template or tokenizer.token_to_id("<think>") is not None
     tail = prompt_text[-200:]
     opened = reasoning and tail.rfind("<think>") > tail.rfind("</think>")
     # templates without a tool format still get the Hermes one: a forced call is written in it
     fmt = (tool_format_of(template) or "json") if tools else None
-    return Features(reasoning, opened, fmt, tools, tolerant)
+    return Features(reasoning, opened, fmt, tools, tolerant, parallel_tool_calls=parallel)
 
 
 class Turn:
@@ -59,6 +61,8 @@ class Turn:
         self.reasoning = ReasoningParser(in_reasoning=features.starts_in_reasoning) if features.reasoning else None
         self.tools = ToolCallParser(features.tool_format, features.tools) if features.tool_format else None
         self.tolerant = features.tolerant_tool_calls
+        self.single_call = not features.parallel_tool_calls
+        self.cut = False                     # ended by us after its one call (parallel_tool_calls false)
         self.prompt_tokens = len(prompt_ids)
         self.calls = 0
         self.finished = False
@@ -92,6 +96,8 @@ class Turn:
         if ev.kind == "delta":
             if self.stats is not None:
                 self.stats.on_tokens()
+            if self.cut:
+                return []                    # output after the one call, already on its way
             out = self._parse(ev.text)
             if ev.logprobs:
                 out.append(("logprobs", ev.logprobs))
@@ -99,8 +105,8 @@ class Turn:
         self.finished = True
         if ev.kind == "error":
             return [("done", Done("error", self.prompt_tokens, 0, ev.message))]
-        out = self._finish(ev.finish_reason or "stop")
-        reason = "tool_calls" if self.calls and ev.finish_reason == "stop" else ev.finish_reason
+        out = [] if self.cut else self._finish(ev.finish_reason or "stop")
+        reason = "tool_calls" if self.calls and (ev.finish_reason == "stop" or self.cut) else ev.finish_reason
         if self.stats is not None:
             self.stats.on_done(ev.prompt_tokens, ev.completion_tokens, reason)
         out.append(("done", Done(reason, ev.prompt_tokens, ev.completion_tokens, stop_sequence=ev.stop_sequence)))
@@ -141,4 +147,8 @@ class Turn:
         for kind, v in pieces:
             out.extend(self.tools.feed(v) if kind == "text" else [(kind, v)])
         self.calls = self.tools.calls
+        if self.single_call and self.calls:
+            first = next(i for i, (kind, _) in enumerate(out) if kind == "tool_call")
+            out, self.cut, self.calls = out[:first + 1], True, 1
+            self.req.cancel()                # stop generating: nothing after the call is wanted
         return out

@@ -33,8 +33,8 @@ def ask(script: dict) -> list[dict]:
     return [{"role": "user", "content": "SCRIPT:" + json.dumps(script)}]
 
 
-def chat_stream(client, script):
-    chunks = list(client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS, stream=True))
+def chat_stream(client, script, **kw):
+    chunks = list(client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS, stream=True, **kw))
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [(tc.function.name, json.loads(tc.function.arguments))
@@ -80,6 +80,32 @@ def test_every_protocol_renders_the_calls(scripted):
         assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
         assert msg.content[0].thinking == "\nThe user wants weather.\n" and msg.stop_reason == "tool_use"
         assert [(b.name, b.input) for b in msg.content[2:]] == EXPECTED
+
+
+def test_parallel_tool_calls_false_ends_at_the_first_call(scripted):
+    """parallel_tool_calls false (Anthropic: disable_parallel_tool_use): one call, finish reason
+    tool_calls, and generation stops there (the script's later characters are never produced)."""
+    url, text = scripted
+    script = {"text": text + "\nAnd some words after the calls.", "chars": True, "delay": 0.005}
+    n_chars = len(script["text"])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS, parallel_tool_calls=False)
+    m = r.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == EXPECTED[:1]
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens < n_chars - 20
+    reasoning, content, calls, finish = chat_stream(client, script, parallel_tool_calls=False)
+    assert calls == EXPECTED[:1] and finish == ["tool_calls"] and content == "Checking."
+    rs = client.responses.create(model="m", input=ask(script), parallel_tool_calls=False, tools=[
+        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}])
+    assert [it.type for it in rs.output] == ["reasoning", "message", "function_call"]
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    tool = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+    msg = claude.messages.create(model="m", max_tokens=100, messages=ask(script), tools=[tool],
+                                 tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [(b.name, b.input) for b in msg.content if b.type == "tool_use"] == EXPECTED[:1]
+    assert msg.stop_reason == "tool_use"
+    r = client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS)       # default: all calls
+    assert len(r.choices[0].message.tool_calls) == 2
 
 
 def test_cut_off_call_and_literal_tag(scripted):
