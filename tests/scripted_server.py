@@ -3,7 +3,7 @@ tests: the user message carries `SCRIPT:{"text": ..., "cuts": [...], "finish": .
 emits that text in deltas cut at those offsets (or one character per delta with "chars": true),
 "repeat" times over (default once).
 
-    python tests/scripted_server.py PORT TOKENIZER_DIR [--xml] [--tolerant] [--paused-reader-s S]
+    python tests/scripted_server.py PORT TOKENIZER_DIR [--xml] [--tolerant] [--paused-reader-s S] [--max-http-clients N]
 
 --xml marks the chat template as a Qwen3-Coder one, so tool calls are parsed in the XML format;
 --tolerant is the server's --tolerant-tool-calls."""
@@ -68,8 +68,11 @@ def main() -> None:
     tok = Tokenizer.from_hf_dir(tok_dir)
     if "--xml" in sys.argv:
         tok.chat_template += "{# <tool_call><function=NAME> (Qwen3-Coder format) #}"
-    paused = float(sys.argv[sys.argv.index("--paused-reader-s") + 1]) if "--paused-reader-s" in sys.argv else 60.0
-    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3, paused_reader_s=paused,
+    def opt(name, default):
+        return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+    limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3,
+                          paused_reader_s=opt("--paused-reader-s", 60.0), max_http_clients=opt("--max-http-clients", 64),
+                          log_requests=opt("--log-requests", "") or None,
                           model_names=("m", "scripted"))
     app = create_app(ScriptedEngine(tok), name="scripted", warmup=False, limits=limits)
     app.run(host="127.0.0.1", port=port, single_process=True, motd=False, access_log=False)

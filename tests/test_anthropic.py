@@ -99,7 +99,8 @@ def test_claude_code_fields_and_tool_history(claude, server_url):
     assert out["stop_reason"] in ("end_turn", "tool_use", "max_tokens") and out["content"]
     for thinking in ("enabled", "disabled"):
         extra = {"budget_tokens": 1024} if thinking == "enabled" else {}
-        m = claude.messages.create(model="m", max_tokens=8, messages=ASK, thinking={"type": thinking, **extra})
+        m = claude.messages.create(model="m", max_tokens=8, messages=ASK, thinking={"type": thinking, **extra},
+                                   extra_body={"output_config": {"effort": "low"}})   # effort without thinking too
         assert m.content
 
 
@@ -117,6 +118,8 @@ def test_claude_code_fields_and_tool_history(claude, server_url):
     ({"max_tokens": 8, "messages": ASK, "tools": [{"name": "t", "input_schema": 3}]}, "input_schema"),
     ({"max_tokens": 8, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
     ({"max_tokens": 8, "messages": ASK, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+    ({"max_tokens": 8, "messages": ASK, "thinking": {"type": "enabled", "display": "loud"}}, "thinking.display"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "word " * 9000}]}, "context"),
 ])
 def test_bad_requests_in_anthropic_shape(server_url, body, needle):
     r = httpx.post(server_url + "/v1/messages", json={"model": "m", **body}, timeout=60)

@@ -80,6 +80,17 @@ def test_every_protocol_renders_the_calls(scripted):
         assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
         assert msg.content[0].thinking == "\nThe user wants weather.\n" and msg.stop_reason == "tool_use"
         assert [(b.name, b.input) for b in msg.content[2:]] == EXPECTED
+        hidden = dict(model="m", max_tokens=100, messages=ask(script), tools=[tool],
+                      thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"})
+        if stream:
+            with claude.messages.stream(**hidden) as s:
+                events = list(s)
+                msg = s.get_final_message()
+            assert not [e for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+        else:
+            msg = claude.messages.create(**hidden)
+        assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]    # the block stays,
+        assert msg.content[0].thinking == ""                                                  # its text does not
 
 
 def test_parallel_tool_calls_false_ends_at_the_first_call(scripted):
@@ -162,35 +173,72 @@ def test_heartbeats_during_a_long_prefill(scripted):
                 assert beats[0] < first_data          # comments go out alone: the first event is real output
 
 
-def test_paused_reader_is_cancelled(qwen3_tokenizer_dir, tmp_path_factory):
+@pytest.fixture(scope="module")
+def strict(qwen3_tokenizer_dir, tmp_path_factory):
+    """A scripted server with a 2 s paused-reader limit and room for one HTTP request at a time."""
+    yield from start_server(tmp_path_factory, str(qwen3_tokenizer_dir), "--paused-reader-s", "2",
+                            "--max-http-clients", "1", cmd=(SCRIPT_SERVER,))
+
+
+def _count(url, status):
+    import re
+    import httpx
+    m = re.search(r'infernix_requests_total\{endpoint="chat.completions",status="%s"\} ([0-9.e+]+)' % status,
+                  httpx.get(url + "/metrics", timeout=30).text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_paused_reader_is_cancelled(strict):
     """A client that stops reading keeps its request for the server's paused-reader time (2 s on this
     server, 60 s by default); then the request is cancelled (499 in /metrics) and its connection
     closed. A client reading the same long stream steadily is served to the end."""
-    import re
     import socket
     import time
 
     import httpx
-
-    def count(url, status):
-        m = re.search(r'infernix_requests_total\{endpoint="chat.completions",status="%s"\} ([0-9.e+]+)' % status,
-                      httpx.get(url + "/metrics", timeout=30).text)
-        return float(m.group(1)) if m else 0.0
-
+    url = strict
     long_reply = {"text": "word " * 400, "cuts": list(range(200, 2000, 200)), "repeat": 3000}   # ~6 MB of SSE
     body = {"model": "m", "stream": True, "messages": ask(long_reply)}
-    for url in start_server(tmp_path_factory, str(qwen3_tokenizer_dir), "--paused-reader-s", "2", cmd=(SCRIPT_SERVER,)):
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
-            read = sum(len(b) for b in r.iter_bytes())          # a steady reader gets all of it
-        assert read > 5_000_000 and count(url, 200) == 1
-        small = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
-        with httpx.Client(transport=small, timeout=120) as c, c.stream("POST", url + "/v1/chat/completions",
-                                                                      json=body) as r:
-            it = r.iter_bytes()
-            assert next(it)
-            t0 = time.time()
-            while count(url, 499) == 0 and time.time() - t0 < 60:    # the client reads nothing now
-                time.sleep(0.25)
-            waited = time.time() - t0
-            assert count(url, 499) == 1 and 2 <= waited < 30, waited
-        assert count(url, 200) == 1 and httpx.get(url + "/health", timeout=30).status_code == 200
+    ok0, gone0 = _count(url, 200), _count(url, 499)
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        read = sum(len(b) for b in r.iter_bytes())          # a steady reader gets all of it
+    assert read > 5_000_000 and _count(url, 200) == ok0 + 1
+    small = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+    with httpx.Client(transport=small, timeout=120) as c, c.stream("POST", url + "/v1/chat/completions",
+                                                                  json=body) as r:
+        chunks = r.iter_bytes()            # kept: a dropped iterator would close the response
+        assert next(chunks)
+        t0 = time.time()
+        while _count(url, 499) == gone0 and time.time() - t0 < 60:    # the client reads nothing now
+            time.sleep(0.25)
+        waited = time.time() - t0
+        assert _count(url, 499) == gone0 + 1 and 2 <= waited < 30, waited
+    assert _count(url, 200) == ok0 + 1 and httpx.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_max_http_clients_answers_503(strict):
+    """With --max-http-clients 1 and one stream open, a second request gets 503 with Retry-After in the
+    protocol's error shape; once the stream ends, requests are served again."""
+    import threading
+
+    import httpx
+    url = strict
+    opened = threading.Event()
+
+    def slow():
+        body = {"model": "m", "stream": True, "messages": ask({"text": "x" * 40, "chars": True, "delay": 0.1})}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for _ in r.iter_lines():
+                opened.set()
+    t = threading.Thread(target=slow)
+    t.start()
+    assert opened.wait(30)
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": ask({"text": "hi"})}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "overloaded_error"
+    r = httpx.post(url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": ask({"text": "hi"})},
+                   timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+    assert httpx.get(url + "/health", timeout=30).status_code == 200           # not an API request
+    t.join(60)
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": ask({"text": "hi"})}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"

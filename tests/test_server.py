@@ -81,6 +81,9 @@ def test_concurrent_requests_all_answered(client):
     ({"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": QUESTION, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": QUESTION, "presence_penalty": 3}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),          # past the 8K context
+    ({"messages": QUESTION, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": QUESTION, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
 ])
 def test_bad_bodies_get_400_json(server_url, body, param):
     r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
