@@ -3,7 +3,8 @@ tool calls become llguidance grammars that the engine enforces token by token.
 
 A forced tool call is written in the format the chat template teaches (json: Hermes/Qwen3, xml:
 Qwen3-Coder/3.5), so the same tool-call parser reads it back; its arguments follow the tool's
-parameter schema (json format) or its parameter names (xml format, where values are text)."""
+parameter schema: as one JSON object (json format) or parameter by parameter (xml format: the
+required ones, typed values, enums)."""
 from __future__ import annotations
 
 import json
@@ -42,13 +43,9 @@ def tool_call_grammar(tools: list[dict], forced: str, fmt: str | None, param: st
     chosen = [t["function"] for t in tools if forced == "required" or t["function"]["name"] == forced]
     if fmt == "xml":
         alts = " | ".join(f"f{i}" for i in range(len(chosen)))
-        rules = [f'start: "<tool_call>\\n" ({alts}) "</tool_call>"']
+        rules = [f'start: "<tool_call>\\n" ({alts}) "</tool_call>"', "TEXT: /[^<]*/"]
         for i, fn in enumerate(chosen):
-            props = list(((fn.get("parameters") or {}).get("properties") or {}))
-            rules.append(f'f{i}: "<function=" {_lit(fn["name"])} ">\\n" p{i}* "</function>\\n"')
-            names = " | ".join(_lit(p) for p in props) or '"_"'
-            rules.append(f'p{i}: "<parameter=" ({names}) ">\\n" VALUE "\\n</parameter>\\n"')
-        rules.append("VALUE: /[^<]*/")
+            rules += _xml_function(f"f{i}", fn)
         grammar = "\n".join(rules)
     else:
         options = [{"type": "object", "properties": {"name": {"const": fn["name"]},
@@ -57,6 +54,41 @@ def tool_call_grammar(tools: list[dict], forced: str, fmt: str | None, param: st
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         grammar = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {json_rule(schema)}'
     return grammar
+
+
+def _xml_function(rule: str, fn: dict) -> list[str]:
+    """Rules for one <function=NAME> block: the required parameters in the schema's order, then each
+    optional one at most once; every value typed by its schema (what parsing.typed_value reads back).
+    A root anyOf/oneOf offers the parameters of all its branches, none required."""
+    schema = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+    branches = [b for k in ("anyOf", "oneOf") for b in schema.get(k) or () if isinstance(b, dict)]
+    props, required = dict(schema.get("properties") or {}), list(schema.get("required") or [])
+    for b in branches:
+        for name, sub in (b.get("properties") or {}).items():
+            props.setdefault(name, sub)
+    order = [p for p in required if p in props] + [p for p in props if p not in required]
+    parts, rules = [], []
+    for j, name in enumerate(order):
+        rules.append(f'{rule}_p{j}: "<parameter=" {_lit(name)} ">\\n" {rule}_v{j} "\\n</parameter>\\n"')
+        rules.append(f"{rule}_v{j}: {_xml_value(props[name])}")
+        parts.append(f"{rule}_p{j}" + ("" if name in required else "?"))
+    rules.insert(0, f'{rule}: "<function=" {_lit(fn["name"])} ">\\n" {" ".join(parts)} "</function>\\n"')
+    return rules
+
+
+def _xml_value(schema) -> str:
+    """A rule body for one parameter's text: strings are raw text, other types their JSON form."""
+    if not isinstance(schema, dict):
+        return "TEXT"
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return " | ".join(_lit(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"])
+    t = schema.get("type")
+    if t == "string" or (t is None and not any(k in schema for k in ("anyOf", "oneOf", "properties", "items"))):
+        n = schema.get("maxLength")
+        return f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else "TEXT"
+    if t == "boolean":
+        return '"true" | "false"'
+    return json_rule(schema)        # numbers, objects, arrays, unions: their JSON text
 
 
 def _object_schema(schema) -> dict:

@@ -94,3 +94,46 @@ def test_bad_structured_requests(server_url, body, param):
     r = httpx.post(server_url + "/v1/chat/completions", json={"model": "m", "messages": ASK, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+XML_TOOL = {"type": "function", "function": {"name": "plan_trip", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20}, "days": {"type": "integer"}, "mode": {"enum": ["train", "plane"]},
+    "budget": {"type": "number"}, "flexible": {"type": "boolean"},
+    "stops": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2}},
+    "required": ["city", "days", "mode", "stops"]}}}
+UNION_TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"anyOf": [
+    {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
+    {"type": "object", "properties": {"query": {"type": "string", "maxLength": 20}}, "required": ["query"]}]}}}
+
+
+@pytest.mark.parametrize("tool", [XML_TOOL, UNION_TOOL, WEATHER])
+def test_forced_call_in_the_xml_format_follows_the_schema(smollm_engine, smollm, tool):
+    """The Qwen3-Coder / Qwen3.5 format: the tiny model, forced by the grammar, writes a call whose
+    parameters the XML parser types back into arguments that fit the schema (required ones present,
+    integers, numbers, booleans, enums, arrays); a root anyOf offers the parameters of its branches."""
+    from infernix_jax.engine import Request, SamplingParams
+    from server.parsing import ToolCallParser
+    from server.structured import tool_call_grammar, validated
+    name = tool["function"]["name"]
+    grammar = validated(smollm_engine, tool_call_grammar([tool], name, "xml"), "tool_choice")
+    prompt = smollm.tokenizer.encode_chat([{"role": "user", "content": "Plan a trip to Rome by train."}],
+                                          add_generation_prompt=True)
+    r = smollm_engine.generate([Request(prompt, SamplingParams(max_tokens=200, temperature=0.8, seed=5,
+                                                               grammar=grammar))])[0]
+    parser = ToolCallParser("xml", [tool])
+    pieces = parser.feed(r.text) + parser.finish()
+    calls = [v for kind, v in pieces if kind == "tool_call"]
+    assert r.finish_reason == "stop" and len(calls) == 1 and calls[0].name == name, r.text
+    args = json.loads(calls[0].arguments)
+    props = tool["function"]["parameters"].get("properties", {})
+    if tool is XML_TOOL:
+        assert {"city", "days", "mode", "stops"} <= set(args) <= set(props), args
+        assert isinstance(args["city"], str) and type(args["days"]) is int and args["mode"] in ("train", "plane")
+        assert isinstance(args["stops"], list) and len(args["stops"]) <= 2
+        assert all(isinstance(s, str) for s in args["stops"])
+        assert "budget" not in args or isinstance(args["budget"], (int, float))
+        assert "flexible" not in args or isinstance(args["flexible"], bool)
+    elif tool is UNION_TOOL:
+        assert set(args) <= {"id", "query"} and ("id" not in args or type(args["id"]) is int), args
+    else:
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit"), args
