@@ -1,9 +1,10 @@
 """A server whose engine replays scripted output instead of running a model, for parser and protocol
 tests: the user message carries `SCRIPT:{"text": ..., "cuts": [...], "finish": ...}` and the engine
 emits that text in deltas cut at those offsets (or one character per delta with "chars": true),
-"repeat" times over (default once).
+"repeat" times over (default once); "echo_think_guard": true replies with the request's think_guard.
 
     python tests/scripted_server.py PORT TOKENIZER_DIR [--xml] [--tolerant] [--paused-reader-s S] [--max-http-clients N]
+        [--log-requests PATH] [--end-in-thinking refuse|allow]
 
 --xml marks the chat template as a Qwen3-Coder one, so tool calls are parsed in the XML format;
 --tolerant is the server's --tolerant-tool-calls."""
@@ -49,6 +50,8 @@ class ScriptedEngine:
         i = prompt.rfind(MARK)
         script, _ = json.JSONDecoder().raw_decode(prompt[i + len(MARK):]) if i >= 0 else ({"text": "ok"}, 0)
         text = script["text"]
+        if script.get("echo_think_guard"):       # what the server asked of the engine
+            text = f"think_guard={req.params.think_guard}"
         cuts = list(range(1, len(text))) if script.get("chars") else sorted(script.get("cuts", []))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] * script.get("repeat", 1)
         time.sleep(script.get("first_delay", 0))          # a long prefill
@@ -73,6 +76,7 @@ def main() -> None:
     limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3,
                           paused_reader_s=opt("--paused-reader-s", 60.0), max_http_clients=opt("--max-http-clients", 64),
                           log_requests=opt("--log-requests", "") or None,
+                          end_in_thinking=opt("--end-in-thinking", "refuse"),
                           model_names=("m", "scripted"))
     app = create_app(ScriptedEngine(tok), name="scripted", warmup=False, limits=limits)
     app.run(host="127.0.0.1", port=port, single_process=True, motd=False, access_log=False)

@@ -117,6 +117,9 @@ def test_parallel_tool_calls_false_ends_at_the_first_call(scripted):
     assert msg.stop_reason == "tool_use"
     r = client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS)       # default: all calls
     assert len(r.choices[0].message.tool_calls) == 2
+    r = client.chat.completions.create(model="m", messages=ask(script), tools=TOOLS, tool_choice="none")
+    assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content   # no parsing
+    assert r.choices[0].finish_reason == "stop"
 
 
 def test_cut_off_call_and_literal_tag(scripted):
@@ -175,9 +178,10 @@ def test_heartbeats_during_a_long_prefill(scripted):
 
 @pytest.fixture(scope="module")
 def strict(qwen3_tokenizer_dir, tmp_path_factory):
-    """A scripted server with a 2 s paused-reader limit and room for one HTTP request at a time."""
+    """A scripted server with a 2 s paused-reader limit, room for one HTTP request at a time, and
+    --end-in-thinking allow."""
     yield from start_server(tmp_path_factory, str(qwen3_tokenizer_dir), "--paused-reader-s", "2",
-                            "--max-http-clients", "1", cmd=(SCRIPT_SERVER,))
+                            "--max-http-clients", "1", "--end-in-thinking", "allow", cmd=(SCRIPT_SERVER,))
 
 
 def _count(url, status):
@@ -242,3 +246,12 @@ def test_max_http_clients_answers_503(strict):
     t.join(60)
     r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": ask({"text": "hi"})}, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def test_end_in_thinking_reaches_the_engine(scripted, strict):
+    """refuse (the default) asks the engine to keep a thinking reply from ending or opening a tool call
+    inside <think> (the sampler's ThinkGuard, tested in test_engine); allow does not."""
+    for url, expect in ((scripted[0], "True"), (strict, "False")):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="m", messages=ask({"text": "", "echo_think_guard": True}))
+        assert r.choices[0].message.content == f"think_guard={expect}"
