@@ -104,6 +104,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
 
     @app.exception(APIError)
     async def api_error(request, exc: APIError):
+        _refused(request, exc.status, exc.message)
         return exc.response(protocol_of(request.path))
 
     @app.exception(SanicException)
@@ -111,6 +112,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
         status = getattr(exc, "status_code", 500)
         kind = {404: "not_found_error", 413: "request_too_large"}.get(
             status, "invalid_request_error" if status < 500 else "server_error")
+        _refused(request, status, str(exc) or kind)
         return APIError(str(exc) or kind, status, kind).response(protocol_of(request.path))
 
     @app.exception(Exception)
@@ -219,6 +221,19 @@ def served(endpoint: str):
                 app.ctx.metrics.finish(st, status, request.headers.get("user-agent", ""), error)
         return run
     return wrap
+
+
+ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
+             "/v1/responses": "responses", "/v1/messages": "messages", "/v1/messages/count_tokens": "messages.count_tokens"}
+
+
+def _refused(request, status: int, message: str) -> None:
+    """Metrics and the request log for a request refused before any endpoint ran (401, 404, 405, 413);
+    the endpoint label is one of ours or "other", never the raw path (bounded label values)."""
+    if request is None or getattr(request.ctx, "stats", None) is not None:
+        return                                   # `served` records the requests that reached an endpoint
+    request.ctx.stats = st = RequestStats(ENDPOINTS.get(request.path.rstrip("/"), "other"))
+    request.app.ctx.metrics.finish(st, status, request.headers.get("user-agent", ""), message)
 
 
 def _start(request, jobs, meta) -> list[Turn]:

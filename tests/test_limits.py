@@ -73,6 +73,8 @@ def test_pending_limit_and_request_log(limited):
     ok = [ln for ln in lines if ln["status"] == 200 and ln["endpoint"] == "chat.completions"]
     assert any(ln["stream"] and ln["completion_tokens"] == 150 and ln["ttft_s"] is not None for ln in ok)
     assert any(ln["status"] == 429 for ln in lines)
+    assert any(ln["status"] == 401 and ln["endpoint"] == "chat.completions" for ln in lines)   # refused early,
+    assert any(ln["status"] == 413 for ln in lines)                                           # logged too
     assert all({"duration_s", "prompt_tokens", "finish_reasons", "cached_tokens"} <= set(ln) for ln in lines)
 
 
