@@ -17,9 +17,11 @@ import numpy as np
 from scripts._common import add_model_args, run
 
 
-def _ours(model, batch: int, prompt: list[int], new: int) -> float:
+def _ours(model, batch: int, prompt: list[int], new: int, kv_cache_gib: float | None = None,
+          max_model_len: int | None = None) -> float:
     from infernix_jax.engine import Engine, Request, SamplingParams
-    eng = Engine(model, max_num_seqs=batch, max_model_len=len(prompt) + new + 16)
+    eng = Engine(model, max_num_seqs=batch, max_model_len=max_model_len or len(prompt) + new + 16,
+                 kv_cache_gib=kv_cache_gib)
 
     def once(n):
         reqs = [Request(list(prompt), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -83,6 +85,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--no-reference", action="store_true", help="skip the transformers run")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV pool of our engine (default: what the engine picks for the lengths below)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="our engine's context (default: prompt + new tokens); infernix-serve uses the model's")
 
     def go():
         a = p.parse_args(argv)
@@ -99,11 +105,12 @@ def main(argv=None) -> int:
         model = load_model(a.model, dtype=a.dtype)
         prompt = list(np.random.default_rng(0).integers(100, model.cfg.vocab_size - 100, a.prompt_tokens))
         prompt = [int(t) for t in prompt]
-        ours = _ours(model, a.batch, prompt, a.new_tokens)
+        ours = _ours(model, a.batch, prompt, a.new_tokens, a.kv_cache_gib, a.max_model_len)
         ref = None if a.no_reference else _transformers(a.model, model.path, a.batch, prompt, a.new_tokens)
         res = {"model": model.name, "dtype": a.dtype, "device": str(jax.devices()[0].device_kind),
                "cpu": platform.processor() or platform.machine(), "batch": a.batch,
                "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "jax": jax.__version__,
+               "kv_cache_gib": a.kv_cache_gib, "max_model_len": a.max_model_len,
                "infernix_tok_s": round(ours, 1)}
         if ref is not None:
             res.update(transformers_tok_s=round(ref, 1), ratio=round(ours / ref, 2))
