@@ -13,7 +13,13 @@ HF_FAMILIES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5",              # the VLM wrapper: its text_config is used
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
 }
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")   # Gated DeltaNet + gated attention
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 SUPPORTED_HF = sorted(HF_FAMILIES)
 SUPPORTED_GGUF = sorted(GGUF_FAMILIES)
@@ -51,6 +57,19 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrids (Qwen3-Next, Qwen3.5): layer_types[i] is "linear_attention" (Gated DeltaNet) or
+    # "full_attention" (gated attention with partial RoPE); () means every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False      # q_proj also yields a per-head sigmoid gate on the output
+    norm_plus_one: bool = False         # zero-centred RMSNorm: y = norm(x) * (1 + w)
+    shared_expert_intermediate_size: int = 0
+    lin_conv_kernel: int = 0            # Gated DeltaNet: causal depthwise conv width K
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    lin_grouped_proj: bool = False      # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -58,6 +77,13 @@ class ModelConfig:
                               f"num_key_value_heads {self.num_kv_heads}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+
+    def is_linear_layer(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, i: int) -> bool:
         # transformers' Qwen3MoeDecoderLayer rule.
@@ -67,6 +93,11 @@ class ModelConfig:
     # ---- builders -------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if isinstance(d.get("text_config"), dict) and d.get("model_type") in ("qwen3_5", "qwen3_5_moe"):
+            eos = d.get("eos_token_id")
+            d = {**d["text_config"], "tie_word_embeddings": d.get("tie_word_embeddings",
+                                                                  d["text_config"].get("tie_word_embeddings", False))}
+            d.setdefault("eos_token_id", eos)
         mt = d.get("model_type")
         if mt not in HF_FAMILIES:
             raise ConfigError(f"unsupported architecture {mt!r}; supported model_type values: "
@@ -75,6 +106,9 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope = d.get("rope_parameters") or {}
+        hybrid = fam in HYBRID_FAMILIES
+        if hybrid and rope.get("mrope_section") and not rope.get("mrope_interleaved", True):
+            raise ConfigError("non-interleaved M-RoPE is not supported")   # text-only: interleaved = 1-D RoPE
         if rope.get("rope_type", "default") not in ("default", None):
             raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported yet (only 'default')")
         scaling = d.get("rope_scaling") or {}
@@ -85,7 +119,11 @@ class ModelConfig:
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        moe = fam == "qwen3_moe"
+        moe = fam in ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+        if hybrid:
+            every = d.get("full_attention_interval", 4)
+            types = tuple(d.get("layer_types") or ("full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                                    for i in range(d["num_hidden_layers"])))
         return cls(
             family=fam,
             vocab_size=d["vocab_size"],
@@ -102,15 +140,23 @@ class ModelConfig:
             hidden_act=d.get("hidden_act", "silu"),
             qkv_bias=fam == "qwen2" or (fam == "llama" and bool(d.get("attention_bias", False))),
             o_bias=fam == "llama" and bool(d.get("attention_bias", False)),
-            qk_norm=fam in ("qwen3", "qwen3_moe"),
+            qk_norm=fam in ("qwen3", "qwen3_moe") or hybrid,
             num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if moe else 0,
             num_experts_per_tok=d.get("num_experts_per_tok", 0) if moe else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", 0) if moe else 0,
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)) if moe else False,
+            # Qwen3.5-MoE's router always renormalises its top-k
+            norm_topk_prob=(fam == "qwen3_5_moe" or bool(d.get("norm_topk_prob", False))) if moe else False,
             decoder_sparse_step=d.get("decoder_sparse_step", 1) if moe else 1,
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()) if moe else (),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **(dict(layer_types=types, attn_output_gate=bool(d.get("attn_output_gate", True)), norm_plus_one=True,
+                    partial_rotary_factor=float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
+                    shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0) if moe else 0,
+                    lin_conv_kernel=d["linear_conv_kernel_dim"], lin_k_heads=d["linear_num_key_heads"],
+                    lin_v_heads=d["linear_num_value_heads"], lin_k_dim=d["linear_key_head_dim"],
+                    lin_v_dim=d["linear_value_head_dim"], lin_grouped_proj=fam == "qwen3_next")
+               if hybrid else {}),
         )
 
     @classmethod

@@ -12,16 +12,32 @@ MOE = dict(moe_intermediate_size=12, num_experts_per_tok=2, num_experts=8, decod
            mlp_only_layers=[], norm_topk_prob=True)
 
 
+# Gated DeltaNet settings of transformers' own Qwen3-Next / Qwen3.5 testers (MODELS.md section 9)
+LINEAR = dict(linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4,
+              linear_num_value_heads=8, head_dim=16)
+
+
 def hf_config(family: str, **overrides):
     import transformers as tf
     cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
-           "qwen3_moe": tf.Qwen3MoeConfig}[family]
+           "qwen3_moe": tf.Qwen3MoeConfig, "qwen3_next": tf.Qwen3NextConfig, "qwen3_5": tf.Qwen3_5TextConfig,
+           "qwen3_5_moe": tf.Qwen3_5MoeTextConfig}[family]
     kw = dict(BASE)
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
         kw.update(MOE)
+    if family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        kw.update(LINEAR, layer_types=["linear_attention", "full_attention"] if family == "qwen3_next"
+                  else ["full_attention", "linear_attention"])
+        if family != "qwen3_5":
+            kw["shared_expert_intermediate_size"] = 36
+        if family == "qwen3_5_moe":
+            for k in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
+                kw.pop(k)
     kw.update(overrides)
     theta = kw.pop("rope_theta", 10000.0)
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    if "linear_conv_kernel_dim" in kw:
+        kw["rope_parameters"]["partial_rotary_factor"] = kw.pop("partial_rotary_factor", 0.25)
     return cls(**kw)
 
 
@@ -32,7 +48,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():  # norms init to ones; randomise them so a missing norm cannot hide
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+            if "norm" in name or name.endswith(".bias") or name.endswith("dt_bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()
 

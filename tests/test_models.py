@@ -26,6 +26,14 @@ CASES = {
     "qwen3moe-norm": ("qwen3_moe", dict(norm_topk_prob=True)),
     "qwen3moe-nonorm-top3": ("qwen3_moe", dict(norm_topk_prob=False, num_experts_per_tok=3)),
     "qwen3moe-sparse-step": ("qwen3_moe", dict(num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[2])),
+    # hybrids: Gated DeltaNet + gated attention, zero-centred norms, partial RoPE
+    "qwen3next-moe-shared": ("qwen3_next", {}),
+    "qwen3next-4layers-k4": ("qwen3_next", dict(num_hidden_layers=4, linear_conv_kernel_dim=4, layer_types=None,
+                                                full_attention_interval=2, partial_rotary_factor=0.5)),
+    "qwen3_5-dense": ("qwen3_5", {}),
+    "qwen3_5-dense-tied-k3": ("qwen3_5", dict(tie_word_embeddings=True, linear_conv_kernel_dim=3,
+                                              linear_num_value_heads=4)),
+    "qwen3_5-moe": ("qwen3_5_moe", {}),
 }
 
 
@@ -44,6 +52,19 @@ def ours_full(m, tokens):
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     logits, _ = _run(m.params, m.cfg, jnp.asarray(tokens), pos, init_cache(m.cfg, B, max(16, T)))
     return np.asarray(logits)
+
+
+def ours_in_pieces(m, tokens, cuts):
+    """Prefill in pieces cut at `cuts`, each continuing the cache (chunked prefill; a piece of one
+    token is a decode step)."""
+    B, T = tokens.shape
+    cache = init_cache(m.cfg, B, max(32, T))
+    outs = []
+    for a, b in zip([0, *cuts], [*cuts, T]):
+        pos = jnp.broadcast_to(jnp.arange(a, b), (B, b - a))
+        out, cache = _run(m.params, m.cfg, jnp.asarray(tokens[:, a:b]), pos, cache)
+        outs.append(np.asarray(out))
+    return np.concatenate(outs, axis=1)
 
 
 def ours_prefill_decode(m, tokens, n_prefill):
@@ -79,6 +100,17 @@ def test_prefill_then_decode_matches_transformers(pair):
     hf, m = pair
     tokens = np.random.default_rng(1).integers(0, m.cfg.vocab_size, (2, 10))
     assert rel_err(ours_prefill_decode(m, tokens, 5), hf_logits(hf, tokens)) <= RTOL
+
+
+@pytest.mark.parametrize("case", ["qwen3next-4layers-k4", "qwen3_5-dense"])
+def test_hybrid_prefill_split_at_odd_positions(case, tmp_path):
+    """Chunked prefill of a hybrid, cut at odd positions, carries conv and SSM state exactly."""
+    family, overrides = CASES[case]
+    hf = make_hf_model(family, seed=11, **overrides)
+    hf.save_pretrained(tmp_path)
+    m = load_model(str(tmp_path), with_tokenizer=False)
+    tokens = np.random.default_rng(5).integers(0, m.cfg.vocab_size, (2, 23))
+    assert rel_err(ours_in_pieces(m, tokens, [3, 4, 11, 20]), hf_logits(hf, tokens)) <= RTOL
 
 
 def test_fused_expert_checkpoint_layout(tmp_path):

@@ -49,6 +49,9 @@ class Engine:
     def __init__(self, model: LoadedModel, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  kv_cache_gib: float | None = None, memory_fraction: float = 0.9, block_size: int = 16, max_num_batched_tokens: int = 512,
                  chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None):
+        if model.cfg.layer_types:
+            raise ValueError(f"{model.cfg.family} (Gated DeltaNet hybrid) models load and run through the "
+                             "contiguous forward (scoring), but the paged engine does not serve them yet")
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer

@@ -20,19 +20,55 @@ class ParamSpec:
     gguf_permute_heads: int = 0    # llama GGUF: undo the interleaved-RoPE row order of q/k
 
 
+def _linear_attn_specs(cfg: ModelConfig, hf: str, gg: str) -> dict[str, ParamSpec]:
+    """Gated DeltaNet weights (Qwen3-Next: grouped qkvz / ba projections; Qwen3.5: separate ones).
+    GGUF names are not mapped yet (the hybrids load from HF directories)."""
+    H, K = cfg.hidden_size, cfg.lin_conv_kernel
+    key_dim, value_dim, Hv = cfg.lin_k_heads * cfg.lin_k_dim, cfg.lin_v_heads * cfg.lin_v_dim, cfg.lin_v_heads
+    la = hf + "linear_attn."
+    s = {"lin_conv": ParamSpec((2 * key_dim + value_dim, 1, K), "normal", la + "conv1d.weight", ""),
+         "lin_A_log": ParamSpec((Hv,), "normal", la + "A_log", ""),
+         "lin_dt_bias": ParamSpec((Hv,), "ones", la + "dt_bias", ""),
+         "lin_norm": ParamSpec((cfg.lin_v_dim,), "ones", la + "norm.weight", ""),
+         "lin_out": ParamSpec((H, value_dim), "normal", la + "out_proj.weight", "")}
+    if cfg.lin_grouped_proj:
+        s["lin_qkvz"] = ParamSpec((2 * key_dim + 2 * value_dim, H), "normal", la + "in_proj_qkvz.weight", "")
+        s["lin_ba"] = ParamSpec((2 * Hv, H), "normal", la + "in_proj_ba.weight", "")
+    else:
+        s["lin_qkv"] = ParamSpec((2 * key_dim + value_dim, H), "normal", la + "in_proj_qkv.weight", "")
+        s["lin_z"] = ParamSpec((value_dim, H), "normal", la + "in_proj_z.weight", "")
+        s["lin_b"] = ParamSpec((Hv, H), "normal", la + "in_proj_b.weight", "")
+        s["lin_a"] = ParamSpec((Hv, H), "normal", la + "in_proj_a.weight", "")
+    return s
+
+
 def _layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
-    H, hd, nH, nKV = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    H = cfg.hidden_size
     hf, gg = f"model.layers.{i}.", f"blk.{i}."
-    permute = cfg.family == "llama"
+    norm_init = "zeros" if cfg.norm_plus_one else "ones"
     s = {
-        "attn_norm": ParamSpec((H,), "ones", hf + "input_layernorm.weight", gg + "attn_norm.weight"),
-        "wq": ParamSpec((nH * hd, H), "normal", hf + "self_attn.q_proj.weight", gg + "attn_q.weight",
+        "attn_norm": ParamSpec((H,), norm_init, hf + "input_layernorm.weight", gg + "attn_norm.weight"),
+        "mlp_norm": ParamSpec((H,), norm_init, hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
+    }
+    if cfg.is_linear_layer(i):
+        s.update(_linear_attn_specs(cfg, hf, gg))
+    else:
+        s.update(_attn_specs(cfg, hf, gg, norm_init))
+    s.update(_mlp_specs(cfg, i, hf, gg))
+    return s
+
+
+def _attn_specs(cfg: ModelConfig, hf: str, gg: str, norm_init: str) -> dict[str, ParamSpec]:
+    H, hd, nH, nKV = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    permute = cfg.family == "llama"
+    q_rows = nH * hd * (2 if cfg.attn_output_gate else 1)     # gated: [q_h | gate_h] per head
+    s = {
+        "wq": ParamSpec((q_rows, H), "normal", hf + "self_attn.q_proj.weight", gg + "attn_q.weight",
                         gguf_permute_heads=nH if permute else 0),
         "wk": ParamSpec((nKV * hd, H), "normal", hf + "self_attn.k_proj.weight", gg + "attn_k.weight",
                         gguf_permute_heads=nKV if permute else 0),
         "wv": ParamSpec((nKV * hd, H), "normal", hf + "self_attn.v_proj.weight", gg + "attn_v.weight"),
         "wo": ParamSpec((H, nH * hd), "normal", hf + "self_attn.o_proj.weight", gg + "attn_output.weight"),
-        "mlp_norm": ParamSpec((H,), "ones", hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
     }
     if cfg.qkv_bias:
         s["bq"] = ParamSpec((nH * hd,), "normal", hf + "self_attn.q_proj.bias", gg + "attn_q.bias",
@@ -43,8 +79,14 @@ def _layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     if cfg.o_bias:
         s["bo"] = ParamSpec((H,), "normal", hf + "self_attn.o_proj.bias", gg + "attn_output.bias")
     if cfg.qk_norm:
-        s["q_norm"] = ParamSpec((hd,), "ones", hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight")
-        s["k_norm"] = ParamSpec((hd,), "ones", hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight")
+        s["q_norm"] = ParamSpec((hd,), norm_init, hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight")
+        s["k_norm"] = ParamSpec((hd,), norm_init, hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight")
+    return s
+
+
+def _mlp_specs(cfg: ModelConfig, i: int, hf: str, gg: str) -> dict[str, ParamSpec]:
+    H = cfg.hidden_size
+    s = {}
     if cfg.is_moe_layer(i):
         E, I = cfg.num_experts, cfg.moe_intermediate_size
         ex = hf + "mlp.experts."
@@ -55,6 +97,13 @@ def _layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
                               hf_fused=(ex + "gate_up_proj", 1))
         s["e_down"] = ParamSpec((E, H, I), "normal", ex + "{e}.down_proj.weight", gg + "ffn_down_exps.weight",
                                 hf_fused=(ex + "down_proj", -1))
+        if cfg.shared_expert_intermediate_size:          # Qwen3-Next / Qwen3.5-MoE: a sigmoid-gated shared expert
+            Is, se = cfg.shared_expert_intermediate_size, hf + "mlp.shared_expert."
+            s["s_gate"] = ParamSpec((Is, H), "normal", se + "gate_proj.weight", gg + "ffn_gate_shexp.weight")
+            s["s_up"] = ParamSpec((Is, H), "normal", se + "up_proj.weight", gg + "ffn_up_shexp.weight")
+            s["s_down"] = ParamSpec((H, Is), "normal", se + "down_proj.weight", gg + "ffn_down_shexp.weight")
+            s["s_router"] = ParamSpec((1, H), "normal", hf + "mlp.shared_expert_gate.weight",
+                                      gg + "ffn_gate_inp_shexp.weight")
     else:
         I = cfg.intermediate_size
         s["w_gate"] = ParamSpec((I, H), "normal", hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight")
@@ -69,7 +118,8 @@ def declare_params(cfg: ModelConfig) -> dict:
     tree = {
         "embed": ParamSpec((V, H), "normal", "model.embed_tokens.weight", "token_embd.weight"),
         "layers": [_layer_specs(cfg, i) for i in range(cfg.num_layers)],
-        "final_norm": ParamSpec((H,), "ones", "model.norm.weight", "output_norm.weight"),
+        "final_norm": ParamSpec((H,), "zeros" if cfg.norm_plus_one else "ones", "model.norm.weight",
+                                "output_norm.weight"),
     }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = ParamSpec((V, H), "normal", "lm_head.weight", "output.weight")

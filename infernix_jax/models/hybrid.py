@@ -1,0 +1,150 @@
+"""Qwen3-Next / Qwen3.5 (dense and MoE) hybrids as pure functions: Gated DeltaNet layers (a linear
+recurrence with a fixed-size state per sequence) and gated full-attention layers with partial RoPE.
+Equations, weight layouts and cache shapes: ../shared/MODELS.md sections 3-6.
+
+This module holds the contiguous-cache forward (tests, scoring); the paged engine's version is a
+later step of the Qwen3.5 issue. Per sequence the cache holds, for each linear layer, the conv
+state (the last K-1 pre-conv rows) and the SSM state [Hv, dk, dv] in fp32; for each full layer,
+the usual K/V."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
+
+from ..config import ModelConfig
+from .layers import activation, apply_rope, attention, gated_mlp, linear, rope_cos_sin
+from .moe import moe_mlp
+
+
+@struct.dataclass
+class HybridCache:
+    """Per layer i: full layers k[i], v[i] [B, S, nKV, hd] (None for linear layers); linear layers
+    conv[i] [B, K-1, conv_dim] (model dtype), ssm[i] [B, Hv, dk, dv] fp32 (None for full layers)."""
+    k: tuple
+    v: tuple
+    conv: tuple
+    ssm: tuple
+
+
+def conv_dim(cfg: ModelConfig) -> int:
+    return 2 * cfg.lin_k_heads * cfg.lin_k_dim + cfg.lin_v_heads * cfg.lin_v_dim
+
+
+def init_hybrid_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> HybridCache:
+    kv, conv, ssm = [], [], []
+    for i in range(cfg.num_layers):
+        lin = cfg.is_linear_layer(i)
+        kv.append(None if lin else jnp.zeros((batch, max_len, cfg.num_kv_heads, cfg.head_dim), dtype))
+        conv.append(jnp.zeros((batch, cfg.lin_conv_kernel - 1, conv_dim(cfg)), dtype) if lin else None)
+        ssm.append(jnp.zeros((batch, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), jnp.float32) if lin else None)
+    return HybridCache(k=tuple(kv), v=tuple(kv), conv=tuple(conv), ssm=tuple(ssm))
+
+
+def rms_norm_1p(x, w, eps: float):
+    """Zero-centred RMSNorm (Qwen3-Next, Gemma): norm(x) * (1 + w), all in fp32, then cast."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def _gated_rms_norm(o, z, w, eps: float):
+    """The GDN output norm: w * norm(o), times silu(z) in fp32. o, z [..., dv]."""
+    o32 = o.astype(jnp.float32)
+    y = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)).astype(o.dtype)
+    return ((w * y).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
+def _write(cache_l, new, positions):
+    b = jnp.arange(new.shape[0])[:, None]
+    return cache_l.at[b, positions].set(new.astype(cache_l.dtype), mode="drop")
+
+
+def _gated_attention(cfg: ModelConfig, p, x, positions, k_cache, v_cache):
+    """x [B, T, H] -> (output [B, T, H], k_cache, v_cache)."""
+    B, T, _ = x.shape
+    nH, nKV, hd, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
+    qg = linear(x, p["wq"]).reshape(B, T, nH, -1)
+    q, gate = (qg[..., :hd], qg[..., hd:]) if cfg.attn_output_gate else (qg, None)
+    k = linear(x, p["wk"]).reshape(B, T, nKV, hd)
+    v = linear(x, p["wv"]).reshape(B, T, nKV, hd)
+    q, k = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps), rms_norm_1p(k, p["k_norm"], cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, rot, cfg.rope_theta)      # RoPE on the first `rot` dims only
+    q = jnp.concatenate([apply_rope(q[..., :rot], cos, sin), q[..., rot:]], axis=-1)
+    k = jnp.concatenate([apply_rope(k[..., :rot], cos, sin), k[..., rot:]], axis=-1)
+    k_cache, v_cache = _write(k_cache, k, positions), _write(v_cache, v, positions)
+    o = attention(q, k_cache, v_cache, positions)                  # [B, T, nH, hd]
+    if gate is not None:
+        o = o * jax.nn.sigmoid(gate)
+    return linear(o.reshape(B, T, -1), p["wo"]), k_cache, v_cache
+
+
+def _gdn_inputs(cfg: ModelConfig, p, x):
+    """-> mixed [B, T, conv_dim] (q|k|v, head-major), z [B, T, Hv, dv], b, a [B, T, Hv]."""
+    B, T, _ = x.shape
+    Hk, Hv, dk, dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    r = Hv // Hk
+    if cfg.lin_grouped_proj:     # Qwen3-Next: rows per key head g = [q_g | k_g | v_g (r heads) | z_g (r heads)]
+        y = linear(x, p["lin_qkvz"]).reshape(B, T, Hk, 2 * dk + 2 * r * dv)
+        q, k = y[..., :dk], y[..., dk:2 * dk]
+        v, z = y[..., 2 * dk:2 * dk + r * dv], y[..., 2 * dk + r * dv:]
+        ba = linear(x, p["lin_ba"]).reshape(B, T, Hk, 2 * r)
+        b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)
+        mixed = jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+        return mixed, z.reshape(B, T, Hv, dv), b, a
+    mixed = linear(x, p["lin_qkv"])
+    return (mixed, linear(x, p["lin_z"]).reshape(B, T, Hv, dv), linear(x, p["lin_b"]), linear(x, p["lin_a"]))
+
+
+def _gated_deltanet(cfg: ModelConfig, p, x, conv_state, ssm_state):
+    """x [B, T, H] -> (output [B, T, H], conv_state [B, K-1, C], ssm_state [B, Hv, dk, dv])."""
+    B, T, _ = x.shape
+    Hk, Hv, dk, dv, K = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, cfg.lin_conv_kernel
+    mixed, z, b, a = _gdn_inputs(cfg, p, x)
+    # causal depthwise conv over time, continuing from the previous K-1 rows
+    xp = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)         # [B, K-1+T, C]
+    w = p["lin_conv"][:, 0, :]                                                      # [C, K]
+    conv = sum(xp[:, j:j + T] * w[:, j] for j in range(K))
+    conv_state = xp[:, T:]                                                          # the last K-1 rows
+    conv = jax.nn.silu(conv)
+    kd = Hk * dk
+    q = conv[..., :kd].reshape(B, T, Hk, dk)
+    k = conv[..., kd:2 * kd].reshape(B, T, Hk, dk)
+    v = conv[..., 2 * kd:].reshape(B, T, Hv, dv)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(p["lin_A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p["lin_dt_bias"].astype(jnp.float32))
+    rule = gated_delta_rule_recurrent if T == 1 else gated_delta_rule_chunked
+    o, ssm_state = jax.vmap(rule)(q, k, v, g, beta, ssm_state)                    # [B, T, Hv, dv]
+    o = _gated_rms_norm(o.astype(x.dtype), z, p["lin_norm"], cfg.rms_norm_eps)
+    return linear(o.reshape(B, T, Hv * dv), p["lin_out"]), conv_state, ssm_state
+
+
+def _mlp(cfg: ModelConfig, p, i: int, y):
+    if not cfg.is_moe_layer(i):
+        return gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"], cfg.hidden_act)
+    out = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
+    if "s_gate" in p:
+        shared = gated_mlp(y, p["s_gate"], p["s_up"], p["s_down"], cfg.hidden_act)
+        out = out + jax.nn.sigmoid(linear(y, p["s_router"])) * shared
+    return out
+
+
+def hybrid_forward(params, cfg: ModelConfig, tokens, positions, cache: HybridCache):
+    """tokens, positions [B, T] (each sequence continues its cache: positions are contiguous from its
+    length so far) -> hidden [B, T, H] after the final norm, updated cache."""
+    eps = cfg.rms_norm_eps
+    k, v, conv, ssm = list(cache.k), list(cache.v), list(cache.conv), list(cache.ssm)
+    x = params["embed"][tokens]
+    for i, p in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{i}"):
+            h = rms_norm_1p(x, p["attn_norm"], eps)
+            if cfg.is_linear_layer(i):
+                h, conv[i], ssm[i] = _gated_deltanet(cfg, p, h, conv[i], ssm[i])
+            else:
+                h, k[i], v[i] = _gated_attention(cfg, p, h, positions, k[i], v[i])
+            x = x + h
+            x = x + _mlp(cfg, p, i, rms_norm_1p(x, p["mlp_norm"], eps))
+    return rms_norm_1p(x, params["final_norm"], eps), HybridCache(tuple(k), tuple(v), tuple(conv), tuple(ssm))
