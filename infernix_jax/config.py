@@ -70,6 +70,7 @@ class ModelConfig:
     lin_k_dim: int = 0
     lin_v_dim: int = 0
     lin_grouped_proj: bool = False      # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head
+    mtp_layers: int = 0                 # multi-token-prediction layers in the checkpoint (mtp.*)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -155,7 +156,8 @@ class ModelConfig:
                     shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0) if moe else 0,
                     lin_conv_kernel=d["linear_conv_kernel_dim"], lin_k_heads=d["linear_num_key_heads"],
                     lin_v_heads=d["linear_num_value_heads"], lin_k_dim=d["linear_key_head_dim"],
-                    lin_v_dim=d["linear_value_head_dim"], lin_grouped_proj=fam == "qwen3_next")
+                    lin_v_dim=d["linear_value_head_dim"], lin_grouped_proj=fam == "qwen3_next",
+                    mtp_layers=int(d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0))
                if hybrid else {}),
         )
 

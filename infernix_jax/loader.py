@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from .weights.common import ModelLoadError, materialize
 from .weights.gguf_io import GGUFSource, open_gguf, read_metadata
 from .weights.safetensors_io import SafetensorsSource
 
+log = logging.getLogger("infernix.loader")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -52,6 +54,13 @@ def _load_hf_dir(path: Path, dtype, with_tokenizer: bool):
     tok = Tokenizer.from_hf_dir(path) if with_tokenizer and (path / "tokenizer.json").exists() else None
     if cfg.tie_word_embeddings is False and not src.has("lm_head.weight") and src.has("model.embed_tokens.weight"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # some checkpoints omit the flag
+    if cfg.mtp_layers and not src.has("mtp.fc.weight"):
+        log.info("%s: the config declares %d MTP layer(s) but the checkpoint has no mtp.* weights; "
+                 "loading without them", path.name, cfg.mtp_layers)
+        cfg = dataclasses.replace(cfg, mtp_layers=0)
+    vision = sum(n.startswith(("model.visual.", "visual.")) for n in src.names())
+    if vision:
+        log.info("%s: skipping %d vision tensors (image input is not supported yet)", path.name, vision)
     params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
     return cfg, params, tok, generation_config.from_hf_dir(path)
 

@@ -156,3 +156,43 @@ def test_moe_gather_path_equals_dense(norm):
     dense = moe_mlp(x, p, k, norm, "silu", gather=False)
     gathered = moe_mlp(x, p, k, norm, "silu", gather=True)
     assert rel_err(gathered, np.asarray(dense)) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_official_layout_with_vision_and_mtp(family, tmp_path, caplog):
+    """The official Qwen3.5 checkpoint is the VLM: text weights under model.language_model., vision
+    under model.visual. (skipped, with a log line), MTP under mtp. (loaded and shape-checked; MoE
+    experts there are per-expert tensors, fused ones in the main layers)."""
+    import logging
+
+    from infernix_jax.config import ModelConfig
+    from infernix_jax.models.params import declare_params
+    from infernix_jax.weights.common import ModelLoadError
+    hf = make_hf_model(family, seed=12)
+    sd = {k.replace("model.", "model.language_model.", 1): v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    if family == "qwen3_5_moe":       # the main layers' experts are fused, as in the official files
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in sd)
+    sd["model.visual.patch_embed.proj.weight"] = np.ones((4, 3), np.float32)
+    text = {**hf.config.to_dict(), "mtp_num_hidden_layers": 1}
+    mtp_specs = declare_params(ModelConfig.from_hf_dict(text))["mtp"]
+    rng = np.random.default_rng(0)
+    for spec in jax.tree.leaves(mtp_specs, is_leaf=lambda s: hasattr(s, "hf")):
+        names = [spec.hf.format(e=e) for e in range(spec.shape[0])] if "{e}" in spec.hf else [spec.hf]
+        shape = spec.shape[1:] if "{e}" in spec.hf else spec.shape
+        for n in names:
+            sd[n] = rng.standard_normal(shape).astype(np.float32)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, "text_config": text,
+                                                      "tie_word_embeddings": False}))
+    with caplog.at_level(logging.INFO, logger="infernix.loader"):
+        m = load_model(str(tmp_path), with_tokenizer=False)
+    assert "skipping 1 vision tensors" in caplog.text
+    H = m.cfg.hidden_size
+    assert m.params["mtp"]["fc"].shape == (H, 2 * H) and len(m.params["mtp"]["layers"]) == 1
+    np.testing.assert_array_equal(np.asarray(m.params["mtp"]["fc"]), sd["mtp.fc.weight"])
+    tokens = np.random.default_rng(6).integers(0, m.cfg.vocab_size, (1, 9))
+    assert rel_err(ours_full(m, tokens), hf_logits(hf, tokens)) <= RTOL
+    sd["mtp.fc.weight"] = np.zeros((H, H), np.float32)                        # a wrong shape is named
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="mtp.fc.weight"):
+        load_model(str(tmp_path), with_tokenizer=False)

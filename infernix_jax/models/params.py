@@ -42,20 +42,33 @@ def _linear_attn_specs(cfg: ModelConfig, hf: str, gg: str) -> dict[str, ParamSpe
     return s
 
 
-def _layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
+def _layer_specs(cfg: ModelConfig, i: int, hf: str | None = None) -> dict[str, ParamSpec]:
+    """Layer i's weights; hf: another name prefix (the MTP layers: full attention, MoE if the model is)."""
     H = cfg.hidden_size
-    hf, gg = f"model.layers.{i}.", f"blk.{i}."
+    mtp = hf is not None
+    hf, gg = hf or f"model.layers.{i}.", f"blk.{i}."
     norm_init = "zeros" if cfg.norm_plus_one else "ones"
     s = {
         "attn_norm": ParamSpec((H,), norm_init, hf + "input_layernorm.weight", gg + "attn_norm.weight"),
         "mlp_norm": ParamSpec((H,), norm_init, hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
     }
-    if cfg.is_linear_layer(i):
+    if cfg.is_linear_layer(i) and not mtp:
         s.update(_linear_attn_specs(cfg, hf, gg))
     else:
         s.update(_attn_specs(cfg, hf, gg, norm_init))
-    s.update(_mlp_specs(cfg, i, hf, gg))
+    s.update(_mlp_specs(cfg, i, hf, gg, moe=cfg.num_experts > 0 if mtp else None))
     return s
+
+
+def _mtp_specs(cfg: ModelConfig) -> dict:
+    """Qwen3-Next / Qwen3.5 multi-token prediction (MODELS.md section 3): loaded and shape-checked;
+    speculative decoding with them is a later issue."""
+    H = cfg.hidden_size
+    return {"pre_norm_embed": ParamSpec((H,), "zeros", "mtp.pre_fc_norm_embedding.weight", ""),
+            "pre_norm_hidden": ParamSpec((H,), "zeros", "mtp.pre_fc_norm_hidden.weight", ""),
+            "fc": ParamSpec((H, 2 * H), "normal", "mtp.fc.weight", ""),
+            "layers": [_layer_specs(cfg, j, hf=f"mtp.layers.{j}.") for j in range(cfg.mtp_layers)],
+            "norm": ParamSpec((H,), "zeros", "mtp.norm.weight", "")}
 
 
 def _attn_specs(cfg: ModelConfig, hf: str, gg: str, norm_init: str) -> dict[str, ParamSpec]:
@@ -84,10 +97,10 @@ def _attn_specs(cfg: ModelConfig, hf: str, gg: str, norm_init: str) -> dict[str,
     return s
 
 
-def _mlp_specs(cfg: ModelConfig, i: int, hf: str, gg: str) -> dict[str, ParamSpec]:
+def _mlp_specs(cfg: ModelConfig, i: int, hf: str, gg: str, moe: bool | None = None) -> dict[str, ParamSpec]:
     H = cfg.hidden_size
     s = {}
-    if cfg.is_moe_layer(i):
+    if cfg.is_moe_layer(i) if moe is None else moe:
         E, I = cfg.num_experts, cfg.moe_intermediate_size
         ex = hf + "mlp.experts."
         s["router"] = ParamSpec((E, H), "normal", hf + "mlp.gate.weight", gg + "ffn_gate_inp.weight")
@@ -123,6 +136,8 @@ def declare_params(cfg: ModelConfig) -> dict:
     }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = ParamSpec((V, H), "normal", "lm_head.weight", "output.weight")
+    if cfg.mtp_layers:
+        tree["mtp"] = _mtp_specs(cfg)
     return tree
 
 

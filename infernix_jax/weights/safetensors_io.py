@@ -42,9 +42,21 @@ class SafetensorsSource:
                 self._where[k] = h
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        return self._resolve(name) in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def _resolve(self, name: str) -> str:
+        """Qwen3.5's official checkpoints are the VLM: the text model sits under model.language_model."""
+        if name not in self._where and name.startswith("model."):
+            alt = "model.language_model." + name[len("model."):]
+            if alt in self._where:
+                return alt
+        return name
 
     def _get(self, name: str) -> np.ndarray:
+        name = self._resolve(name)
         h = self._where.get(name)
         if h is None:
             raise ModelLoadError(f"tensor {name} is missing from the checkpoint")
