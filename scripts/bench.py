@@ -66,9 +66,10 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode", "shapes"],
+    p.add_argument("what", choices=["decode", "shapes", "gdn"],
                    help="decode: a real model on this machine vs transformers; shapes: random weights at "
-                        "named real shapes (GPU), see scripts/bench_shapes.py")
+                        "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
+                        "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
                                                           "qwen3-30b-a3b")
     p.add_argument("--batches", default="1,8,32,64,128")
@@ -92,6 +93,14 @@ def main(argv=None) -> int:
 
     def go():
         a = p.parse_args(argv)
+        if a.what == "gdn":
+            from scripts import bench_gdn
+            shape = "qwen3.5-27b" if a.shape == p.get_default("shape") else a.shape
+            if shape not in bench_gdn.SHAPES:
+                raise ValueError(f"unknown gdn shape {shape!r}; known: {', '.join(bench_gdn.SHAPES)}")
+            ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+            bench_gdn.run(shape, ints(a.batches), ints(a.prefill_lens))
+            return 0
         if a.what == "shapes":
             from scripts import bench_shapes
             if a.shape not in bench_shapes.PRESETS:

@@ -1,0 +1,59 @@
+"""infernix-bench gdn: the Gated DeltaNet pieces at a real model's linear-layer shape (GPU).
+
+- decode: one recurrent step for B sequences, the Pallas kernel against the jnp recurrence (XLA),
+  as time per layer and as a share of the state-read roofline (each fp32 state [Hv, dk, dv] read
+  and written once: 2 x B x Hv x dk x dv x 4 bytes, over the copy bandwidth measured in the same run);
+- prefill: the jnp chunked form (chunk 64) at the given lengths, in tokens/s per layer (the Pallas
+  prefill kernel joins this table when it exists).
+Prints one JSON line per measurement."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from pallas_kernels.gated_deltanet_decode import gated_delta_rule_decode
+from scripts.bench_shapes import copy_bandwidth, timed
+
+# linear-layer shapes: (key heads, value heads, dk, dv)
+SHAPES = {"qwen3.5-27b": (16, 48, 128, 128), "qwen3.5-35b-a3b": (16, 32, 128, 128), "qwen3-next-80b": (16, 32, 128, 128)}
+
+
+def _inputs(key, B, T, Hk, Hv, dk, dv, dtype=jnp.bfloat16):
+    ks = jax.random.split(key, 6)
+    q = jax.random.normal(ks[0], (B, T, Hk, dk), dtype)
+    k = jax.random.normal(ks[1], (B, T, Hk, dk), dtype)
+    v = jax.random.normal(ks[2], (B, T, Hv, dv), dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, Hv))) * 0.3
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, Hv)))
+    s = jax.random.normal(ks[5], (B, Hv, dk, dv), jnp.float32) * 0.1
+    return q, k, v, g, beta, s
+
+
+def run(shape: str, batches, prefills) -> None:
+    Hk, Hv, dk, dv = SHAPES[shape]
+    bw = copy_bandwidth()
+    print(json.dumps({"shape": shape, "copy_GBps": round(bw / 1e9, 1), "device": jax.devices()[0].device_kind}))
+    ref_step = jax.jit(jax.vmap(lambda q, k, v, g, b, s: gated_delta_rule_recurrent(q, k, v, g, b, s)))
+    for B in batches:
+        q, k, v, g, beta, s = _inputs(jax.random.key(B), B, 1, Hk, Hv, dk, dv)
+        state = [s]
+
+        def ours():
+            o, state[0] = gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state[0])
+            o.block_until_ready()
+        t_ours = timed(ours, 50)
+        t_ref = timed(lambda: ref_step(q, k, v, g, beta, s)[0].block_until_ready(), 50)
+        roof = 2 * B * Hv * dk * dv * 4 / bw
+        print(json.dumps({"kind": "gdn_decode", "batch": B, "pallas_us": round(t_ours * 1e6, 1),
+                          "jnp_us": round(t_ref * 1e6, 1), "roofline_us": round(roof * 1e6, 1),
+                          "pallas_of_roofline": round(roof / t_ours, 3), "speedup_vs_jnp": round(t_ref / t_ours, 2)}),
+              flush=True)
+    chunked = jax.jit(jax.vmap(lambda q, k, v, g, b, s: gated_delta_rule_chunked(q, k, v, g, b, s)))
+    for T in prefills:
+        q, k, v, g, beta, s = _inputs(jax.random.key(T), 1, T, Hk, Hv, dk, dv)
+        t = timed(lambda: chunked(q, k, v, g, beta, s)[0].block_until_ready(), 5)
+        print(json.dumps({"kind": "gdn_prefill_jnp_chunked", "tokens": T, "ms": round(t * 1e3, 2),
+                          "tok_s": round(T / t, 1)}), flush=True)
