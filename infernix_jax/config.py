@@ -78,6 +78,15 @@ class ModelConfig:
                               f"num_key_value_heads {self.num_kv_heads}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
+            if unknown:
+                raise ConfigError(f"unknown layer types {sorted(unknown)}; expected linear_attention / full_attention")
+            if not self.lin_k_heads or self.lin_v_heads % self.lin_k_heads:
+                raise ConfigError(f"linear_num_value_heads {self.lin_v_heads} must be a multiple of "
+                                  f"linear_num_key_heads {self.lin_k_heads}")
 
     def is_linear_layer(self, i: int) -> bool:
         return bool(self.layer_types) and self.layer_types[i] == "linear_attention"

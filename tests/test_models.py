@@ -196,3 +196,14 @@ def test_qwen3_5_official_layout_with_vision_and_mtp(family, tmp_path, caplog):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="mtp.fc.weight"):
         load_model(str(tmp_path), with_tokenizer=False)
+
+
+@pytest.mark.parametrize("change,msg", [(dict(layer_types=["linear_attention"]), "layer_types has 1"),
+                                        (dict(layer_types=["mamba", "full_attention"]), "unknown layer types"),
+                                        (dict(linear_num_value_heads=6), "multiple of")])
+def test_bad_hybrid_configs_are_named(change, msg):
+    from infernix_jax.config import ConfigError, ModelConfig
+    from hf_reference import hf_config
+    d = {**hf_config("qwen3_5").to_dict(), **change}
+    with pytest.raises(ConfigError, match=msg):
+        ModelConfig.from_hf_dict(d)
