@@ -138,6 +138,7 @@ class Turn:
             keep = self.tolerant and reason in ("length", "abort")
             out += self.tools.finish(keep_partial=keep)
             self.calls = self.tools.calls
+            out = self._one_call(out)
         return out
 
     def _tool_pass(self, pieces) -> list[tuple[str, object]]:
@@ -147,8 +148,13 @@ class Turn:
         for kind, v in pieces:
             out.extend(self.tools.feed(v) if kind == "text" else [(kind, v)])
         self.calls = self.tools.calls
-        if self.single_call and self.calls:
-            first = next(i for i, (kind, _) in enumerate(out) if kind == "tool_call")
-            out, self.cut, self.calls = out[:first + 1], True, 1
-            self.req.cancel()                # stop generating: nothing after the call is wanted
-        return out
+        return self._one_call(out)
+
+    def _one_call(self, out):
+        """parallel_tool_calls false: keep the pieces up to the first call, and stop generating."""
+        if not (self.single_call and self.calls):
+            return out
+        first = next(i for i, (kind, _) in enumerate(out) if kind == "tool_call")
+        self.cut, self.calls = True, 1
+        self.req.cancel()                    # nothing after the call is wanted (no-op once finished)
+        return out[:first + 1]

@@ -58,6 +58,15 @@ def qwen3_tokenizer_dir():
 SERVED_NAMES = ("--served-model-name", "smollm2-135m-instruct", "m", "test-model")
 
 
+def requests_total(url: str, endpoint: str, status: int) -> float:
+    """The server's /metrics count of requests to an endpoint answered with status."""
+    import re
+    import httpx
+    m = re.search(r'infernix_requests_total\{endpoint="%s",status="%d"\} ([0-9.e+]+)' % (re.escape(endpoint), status),
+                  httpx.get(url + "/metrics", timeout=30).text)
+    return float(m.group(1)) if m else 0.0
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:

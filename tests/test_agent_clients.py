@@ -5,14 +5,12 @@ finish with exit code 0, print the model's reply, and the server must have answe
 with 200. The tiny model's replies are not judged; the protocols are."""
 import json
 import os
-import re
 import subprocess
 import time
 
-import httpx
 import pytest
 
-from conftest import SERVED_NAMES, start_server
+from conftest import SERVED_NAMES, requests_total, start_server
 
 CLIENTS = {"@openai/codex": "0.169.0", "@anthropic-ai/claude-code": "2.1.328", "opencode-ai": "1.18.33"}
 
@@ -50,9 +48,7 @@ def served(server_url, endpoint: str, more_than: float = -1.0) -> float:
     with more_than, wait up to 15 s for the count to pass it."""
     deadline = time.time() + 15
     while True:
-        text = httpx.get(server_url + "/metrics", timeout=30).text
-        m = re.search(r'infernix_requests_total\{endpoint="%s",status="200"\} ([0-9.e+]+)' % re.escape(endpoint), text)
-        n = float(m.group(1)) if m else 0.0
+        n = requests_total(server_url, endpoint, 200)
         if n > more_than or time.time() > deadline:
             return n
         time.sleep(0.25)

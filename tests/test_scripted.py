@@ -8,7 +8,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import start_server
+from conftest import requests_total, start_server
 
 SCRIPT_SERVER = str(Path(__file__).with_name("scripted_server.py"))
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -185,11 +185,7 @@ def strict(qwen3_tokenizer_dir, tmp_path_factory):
 
 
 def _count(url, status):
-    import re
-    import httpx
-    m = re.search(r'infernix_requests_total\{endpoint="chat.completions",status="%s"\} ([0-9.e+]+)' % status,
-                  httpx.get(url + "/metrics", timeout=30).text)
-    return float(m.group(1)) if m else 0.0
+    return requests_total(url, "chat.completions", status)
 
 
 def test_paused_reader_is_cancelled(strict):

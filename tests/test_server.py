@@ -5,6 +5,8 @@ import httpx
 import openai
 import pytest
 
+from conftest import requests_total
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -166,10 +168,7 @@ def test_client_disconnect_mid_stream_leaves_server_healthy(server_url, client):
 
 
 def _status_count(server_url, status: int) -> float:
-    import re
-    m = re.search(r'infernix_requests_total\{endpoint="chat.completions",status="%d"\} ([0-9.e+]+)' % status,
-                  httpx.get(server_url + "/metrics", timeout=30).text)
-    return float(m.group(1)) if m else 0.0
+    return requests_total(server_url, "chat.completions", status)
 
 
 def _wait_idle(server_url, seconds: float) -> dict:

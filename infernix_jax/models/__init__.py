@@ -4,6 +4,8 @@
 `ModelConfig` (qkv bias, q/k norm, MoE layers) that select branches at trace time. `hybrid.py`
 serves Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated attention). `forward` / `init_cache` pick
 the family's contiguous-cache implementation."""
+import jax.numpy as jnp
+
 from . import hybrid, llama
 from .llama import KVCache, logits_from_hidden
 from .params import ParamSpec, abstract_params, declare_params, init_params
@@ -15,9 +17,7 @@ def forward(params, cfg, tokens, positions, cache):
     return fn(params, cfg, tokens, positions, cache)
 
 
-def init_cache(cfg, batch: int, max_len: int, dtype=None):
-    import jax.numpy as jnp
-    dtype = dtype or jnp.float32
+def init_cache(cfg, batch: int, max_len: int, dtype=jnp.float32):
     if cfg.layer_types:
         return hybrid.init_hybrid_cache(cfg, batch, max_len, dtype)
     return llama.init_cache(cfg, batch, max_len, dtype)

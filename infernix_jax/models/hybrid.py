@@ -15,7 +15,8 @@ from flax import struct
 from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 from ..config import ModelConfig
-from .layers import activation, apply_rope, attention, gated_mlp, linear, rope_cos_sin
+from .layers import apply_rope, attention, gated_mlp, linear, rms_norm, rope_cos_sin
+from .llama import _write
 from .moe import moe_mlp
 
 
@@ -51,15 +52,8 @@ def rms_norm_1p(x, w, eps: float):
 
 
 def _gated_rms_norm(o, z, w, eps: float):
-    """The GDN output norm: w * norm(o), times silu(z) in fp32. o, z [..., dv]."""
-    o32 = o.astype(jnp.float32)
-    y = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)).astype(o.dtype)
-    return ((w * y).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
-
-
-def _write(cache_l, new, positions):
-    b = jnp.arange(new.shape[0])[:, None]
-    return cache_l.at[b, positions].set(new.astype(cache_l.dtype), mode="drop")
+    """The GDN output norm: the plain RMSNorm w * norm(o), times silu(z) in fp32. o, z [..., dv]."""
+    return (rms_norm(o, w, eps).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
 
 
 def _gated_attention(cfg: ModelConfig, p, x, positions, k_cache, v_cache):
