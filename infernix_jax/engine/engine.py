@@ -49,9 +49,6 @@ class Engine:
     def __init__(self, model: LoadedModel, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  kv_cache_gib: float | None = None, memory_fraction: float = 0.9, block_size: int = 16, max_num_batched_tokens: int = 512,
                  chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None):
-        if model.cfg.layer_types:
-            raise ValueError(f"{model.cfg.family} (Gated DeltaNet hybrid) models load and run through the "
-                             "contiguous forward (scoring), but the paged engine does not serve them yet")
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer
@@ -66,9 +63,14 @@ class Engine:
         steps = decode_steps if decode_steps is not None else (8 if on_gpu else 4)
         # Without chunking a whole prompt must fit in one step's budget.
         budget = max(max_num_batched_tokens, max_num_seqs, 0 if chunked_prefill else self.max_context)
-        self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps)
+        hybrid = bool(self.cfg.layer_types)
+        # Hybrids: a state slot per running sequence; the rows feeding several tokens in one step are
+        # capped (the linear layers pad each of them to the step's token count).
+        self.max_prefill_rows = 4 if hybrid else None
+        self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps,
+                                   state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows)
         self.runner = Runner(model, self.plan.num_blocks, block_size,
-                             attn_impl or ("pallas" if on_gpu else "reference"))
+                             attn_impl or ("pallas" if on_gpu else "reference"), state_slots=max_num_seqs)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
@@ -81,7 +83,7 @@ class Engine:
         """Compile all step shapes now (slow on the CPU for big models; cheap insurance on GPUs)."""
         sch = self.scheduler
         max_blocks = self.bm.blocks_for(self.max_context + sch.decode_steps)
-        return self.runner.warmup(sch.max_num_seqs, sch.budget, max_blocks, sch.decode_steps)
+        return self.runner.warmup(sch.max_num_seqs, sch.budget, max_blocks, sch.decode_steps, self.max_prefill_rows)
 
     # ---- admission -----------------------------------------------------------------------------
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:

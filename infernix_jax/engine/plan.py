@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..models.paged import kv_bytes_per_token
+from ..models.paged import kv_bytes_per_token, state_bytes_per_seq
 from ..models.params import abstract_params
 
 GiB = 1 << 30
@@ -25,6 +25,7 @@ class MemoryPlan:
     max_model_len: int
     max_num_seqs: int
     device_bytes: int | None
+    state_bytes: int = 0          # hybrids: the state pool (conv + SSM states of max_num_seqs sequences)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -41,6 +42,8 @@ class MemoryPlan:
             f"KV per token:       {self.kv_bytes_per_token / 1024:.1f} KiB",
             f"KV pool:            {gib(self.kv_pool_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens",
             f"workspace (est.):   {gib(self.workspace_bytes)}",
+            *([f"state pool:         {gib(self.state_bytes)} ({self.state_bytes // self.max_num_seqs / 2**20:.1f} "
+               f"MiB per sequence, Gated DeltaNet layers)"] if self.state_bytes else []),
             f"max tokens cached:  {self.max_tokens_in_cache} "
             f"(~{self.max_tokens_in_cache / self.max_model_len:.1f} sequences at max_model_len {self.max_model_len})",
             f"max_num_seqs:       {self.max_num_seqs}",
@@ -67,11 +70,12 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
     # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)
     workspace = 6 * max_num_batched_tokens * widest * 4 + 4 * max_num_seqs * cfg.vocab_size * 4
+    state = max_num_seqs * state_bytes_per_seq(cfg, dtype)
     device = device_memory_bytes()
     if kv_cache_gib is not None:
         pool = int(kv_cache_gib * GiB)
     elif device is not None:
-        pool = int(device * memory_fraction) - weights - workspace
+        pool = int(device * memory_fraction) - weights - workspace - state
     else:  # CPU: every sequence at full length (plus decode look-ahead), capped at 1 GiB
         per_seq = -(-(max_model_len + 16) // block_size) * block_size
         pool = min(GiB, max_num_seqs * per_seq * per_tok)
@@ -80,4 +84,5 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
     if num_blocks < min_blocks:
         raise ValueError(f"the KV pool ({pool / GiB:.2f} GiB) cannot hold one sequence of max_model_len "
                          f"{max_model_len}: lower --max-model-len or raise --kv-cache-gib")
-    return MemoryPlan(weights, per_tok, block_size, int(num_blocks), workspace, max_model_len, max_num_seqs, device)
+    return MemoryPlan(weights, per_tok, block_size, int(num_blocks), workspace, max_model_len, max_num_seqs, device,
+                      state)

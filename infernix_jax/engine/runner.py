@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ..models.hybrid_paged import StateRows
 from ..models.paged import PagedKV, init_paged_kv
 from . import steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
@@ -19,7 +20,7 @@ class StepOutput:
 
 
 class Runner:
-    def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference"):
+    def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0):
         self.params = model.params
         self.cfg = model.cfg
         self.block_size = block_size
@@ -27,10 +28,35 @@ class Runner:
         self.attn_impl = attn_impl
         self.dtype = model.dtype
         self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
+        self.hybrid = bool(self.cfg.layer_types)
+        self.state_slots = state_slots if self.hybrid else 0
         self.reset_kv()
 
     def reset_kv(self) -> None:
-        self.kv: PagedKV = init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype)
+        self.kv: PagedKV = init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots)
+
+    def _state_rows(self, plan, B: int, N: int) -> StateRows | None:
+        """Hybrids: the two layouts of the linear layers (one-token rows, several-token rows)."""
+        if not self.hybrid:
+            return None
+        S = self.state_slots
+        dec_tok, dec_slot, dec_fresh = np.full((B,), N, np.int32), np.full((B,), S, np.int32), np.zeros((B,), bool)
+        multi, off = [], 0
+        for i, (s, n) in enumerate(plan):
+            if n == 1:
+                dec_tok[i], dec_slot[i], dec_fresh[i] = off, s.state_slot, s.num_computed == 0
+            else:
+                multi.append((off, n, s))
+            off += n
+        if not multi:
+            return StateRows(dec_tok, dec_slot, dec_fresh)
+        Bp = steps.bucket(len(multi), minimum=1)
+        pre_tok = np.full((Bp, N), N, np.int32)
+        pre_len, pre_slot, pre_fresh = np.zeros((Bp,), np.int32), np.full((Bp,), S, np.int32), np.zeros((Bp,), bool)
+        for r, (o, n, s) in enumerate(multi):
+            pre_tok[r, :n] = np.arange(o, o + n)
+            pre_len[r], pre_slot[r], pre_fresh[r] = n, s.state_slot, s.num_computed == 0
+        return StateRows(dec_tok, dec_slot, dec_fresh, pre_tok, pre_len, pre_slot, pre_fresh)
 
     def _sampling(self, seqs: list[Sequence], B: int) -> tuple[SamplingArrays, np.ndarray]:
         temp = np.zeros((B,), np.float32)
@@ -135,7 +161,7 @@ class Runner:
                                         self._block_table(seqs, B), kv_lens, cu_q, logits_idx, st, sampling,
                                         attn_impl=self.attn_impl, want_top=want_top,
                                         penalties=self._penalties(seqs, B), allowed=self._allowed(plan, B),
-                                        guard=self._guard(seqs, B))
+                                        guard=self._guard(seqs, B), rows=self._state_rows(plan, B, N))
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
 
@@ -152,11 +178,13 @@ class Runner:
         out, self.kv = steps.decode_steps(self.params, self.cfg, self.kv, tokens, positions,
                                           self._block_table(seqs, B), valid, st, sampling, num_steps=k,
                                           attn_impl=self.attn_impl, want_top=want_top,
-                                          penalties=self._penalties(seqs, B), guard=self._guard(seqs, B))
+                                          penalties=self._penalties(seqs, B), guard=self._guard(seqs, B),
+                                          rows=self._state_rows([(s, 1) for s in seqs], B, B))
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
         return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
 
-    def warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int) -> int:
+    def warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int,
+               max_prefill_rows: int | None = None) -> int:
         """Compile every bucketed shape the scheduler can produce under these limits, so that serving
         never compiles. Returns the number of shapes visited."""
         bucket = steps.bucket
@@ -171,20 +199,33 @@ class Runner:
             for M in Ms:
                 bt = np.zeros((B, M), np.int32)
                 for N in (N for N in Ns if N >= B):
-                    _, self.kv = steps.mixed_step(
-                        self.params, self.cfg, self.kv, np.zeros((N,), np.int32), np.zeros((N,), np.int32),
-                        np.full((N,), dropped, np.int32), bt, np.ones((B,), np.int32),
-                        np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, sampling, attn_impl=self.attn_impl,
-                        want_top=False, penalties=None, allowed=None, guard=self._guard([], B))
-                    n += 1    # (the same keywords as run(): jit keys its cache on them)
+                    for rows in self._warmup_rows(B, N, max_prefill_rows or max_num_seqs):
+                        _, self.kv = steps.mixed_step(
+                            self.params, self.cfg, self.kv, np.zeros((N,), np.int32), np.zeros((N,), np.int32),
+                            np.full((N,), dropped, np.int32), bt, np.ones((B,), np.int32),
+                            np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, sampling, attn_impl=self.attn_impl,
+                            want_top=False, penalties=None, allowed=None, guard=self._guard([], B), rows=rows)
+                        n += 1    # (the same keywords as run(): jit keys its cache on them)
                 if decode_steps > 1:
                     _, self.kv = steps.decode_steps(
                         self.params, self.cfg, self.kv, zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
                         sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False,
-                        penalties=None, guard=self._guard([], B))
+                        penalties=None, guard=self._guard([], B), rows=self._warmup_rows(B, B, 0)[0])
                     n += 1
         jax.block_until_ready(self.kv.k[0])
         return n
+
+    def _warmup_rows(self, B: int, N: int, max_prefill_rows: int) -> list:
+        """Every StateRows shape a step of B rows over N tokens can have (all padding: no state moves)."""
+        if not self.hybrid:
+            return [None]
+        S = self.state_slots
+        dec = (np.full((B,), N, np.int32), np.full((B,), S, np.int32), np.zeros((B,), bool))
+        out = [StateRows(*dec)]
+        for Bp in _pow2_range(1, steps.bucket(min(B, max_prefill_rows), minimum=1)) if max_prefill_rows else ():
+            out.append(StateRows(*dec, np.full((Bp, N), N, np.int32), np.zeros((Bp,), np.int32),
+                                 np.full((Bp,), S, np.int32), np.zeros((Bp,), bool)))
+        return out
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:

@@ -4,7 +4,12 @@ Running sequences go first (decodes and unfinished prefill chunks, oldest first)
 are admitted FIFO while the token budget, the sequence limit and the free blocks allow. With chunked
 prefill a long prompt is fed in budget-sized pieces, so it never stalls running decodes. When the
 pool runs out, the youngest running sequence is preempted: its blocks are freed and it is recomputed
-later (its prompt and outputs so far are simply prefilled again)."""
+later (its prompt and outputs so far are simply prefilled again).
+
+Hybrid models (state_slots > 0) also give each running sequence a slot of the state pool, cap the
+rows that feed several tokens in one step (max_prefill_rows: their padded layout is sized by it),
+and with `align` end every prefill chunk that stops inside the prompt on a multiple of `align`
+tokens, where the engine can snapshot the state."""
 from __future__ import annotations
 
 from collections import deque
@@ -15,7 +20,8 @@ from .sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True, decode_steps: int = 1):
+                 chunked_prefill: bool = True, decode_steps: int = 1, state_slots: int = 0,
+                 max_prefill_rows: int | None = None, align: int = 0):
         self.bm = bm
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -24,6 +30,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.free_slots: list[int] = list(range(state_slots))[::-1]
+        self.max_prefill_rows = max_prefill_rows
+        self.align = align
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -37,15 +46,39 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.release(seq)
+        self._release(seq)
         seq.status = Status.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        self.bm.release(seq)
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.release(seq)
+        self._release(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to feed this step under the budget (0: none, it waits)."""
+        n = min(seq.num_pending, budget)
+        if n < seq.num_pending and not self.chunked:
+            return 0
+        if self.align and seq.num_computed + n < len(seq.prompt_ids) and n < seq.num_pending:
+            end = (seq.num_computed + n) // self.align * self.align      # stop on a snapshot boundary
+            n = end - seq.num_computed if end > seq.num_computed else n
+        elif self.align and n > 1:         # the prompt's last boundary inside this chunk: stop there
+            end = len(seq.prompt_ids) // self.align * self.align
+            if seq.num_computed < end < seq.num_computed + n:
+                n = end - seq.num_computed
+        return n
+
+    def _prefill_rows_full(self, plan, n: int) -> bool:
+        return n > 1 and self.max_prefill_rows is not None and \
+            sum(m > 1 for _, m in plan) >= self.max_prefill_rows
 
     def schedule(self) -> tuple[list[tuple[Sequence, int]], int]:
         """Returns [(seq, tokens to feed)] and the number of decode steps to run (> 1 only when every
@@ -55,10 +88,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_pending, budget)
-            if n < seq.num_pending and not self.chunked:
-                continue
-            if n == 0:
+            n = self._chunk(seq, budget)
+            if n == 0 or self._prefill_rows_full(plan, n):
                 continue
             while not self.bm.can_grow(seq, seq.num_computed + n):
                 victims = [s for s in self.running if s is not seq and all(s is not p for p, _ in plan)]
@@ -73,12 +104,12 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
-            if n < seq.num_pending and not self.chunked:
-                break
-            if not self.bm.can_grow(seq, seq.num_computed + n):
+            n = self._chunk(seq, budget)
+            if n == 0 or self._prefill_rows_full(plan, n) or not self.bm.can_grow(seq, seq.num_computed + n):
                 break
             self.waiting.popleft()
+            if self.free_slots:
+                seq.state_slot = self.free_slots.pop()
             self.bm.grow(seq, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)

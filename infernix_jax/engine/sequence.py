@@ -27,6 +27,7 @@ class Sequence:
         self.block_ids: list[int] = []
         self.num_sealed = 0                   # leading blocks whose chained hash is recorded
         self.num_computed = 0                 # tokens whose K/V are in the cache
+        self.state_slot: int | None = None    # hybrids: the sequence's slot in the state pool
         self.finish_reason: str | None = None
         self.text_parts: list[str] = []
         self.seed_key = None                  # uint32[2], set on admission

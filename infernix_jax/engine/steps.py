@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..models.llama import KVCache, forward, logits_from_hidden
+from ..models import forward
+from ..models.llama import KVCache, logits_from_hidden
 from ..models.paged import PagedKV, forward_paged
 from .sampler import Penalties, SamplingArrays, ThinkGuard, sample
 
@@ -24,12 +25,13 @@ def bucket(n: int, minimum: int = 16) -> int:
 @partial(jax.jit, static_argnames=("cfg", "attn_impl", "want_top"), donate_argnames=("kv",))
 def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
                logits_idx, steps, sampling: SamplingArrays, attn_impl: str = "reference", want_top: bool = False,
-               penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None):
+               penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None, rows=None):
     """A ragged batch of prefill chunks and decodes. tokens/positions/slots [N]; block_tables [B, M];
     kv_lens, logits_idx (flat index of each row's last token), steps [B]; cu_q [B + 1].
     allowed: None or [B, ceil(V/32)] int32 token bitmasks (constrained rows; all ones elsewhere).
+    rows: hybrids' StateRows (None otherwise).
     Returns the sampled token of every row (and logprobs), and the pool."""
-    h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl)
+    h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl, rows)
     logits = logits_from_hidden(params, cfg, h[logits_idx])                      # [B, V]
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
     return sample(logits, steps, sampling, want_top, pen, allowed, guard), kv
@@ -38,9 +40,10 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
 @partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "want_top"), donate_argnames=("kv",))
 def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
                  sampling: SamplingArrays, num_steps: int, attn_impl: str = "reference", want_top: bool = False,
-                 penalties: Penalties | None = None, guard: ThinkGuard | None = None):
+                 penalties: Penalties | None = None, guard: ThinkGuard | None = None, rows=None):
     """num_steps decode steps in one dispatch. tokens (each row's last sampled token), positions (its
-    position), steps [B]; valid [B] bool marks real rows. Returns per-step outputs stacked [num_steps, B]."""
+    position), steps [B]; valid [B] bool marks real rows; rows: hybrids' StateRows (row i's token is
+    flat index i at every step). Returns per-step outputs stacked [num_steps, B]."""
     bs = kv.block_size
     dropped = kv.num_blocks * bs
     B = tokens.shape[0]
@@ -51,15 +54,15 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
         blk = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
         slots = jnp.where(valid, blk * bs + pos % bs, dropped)
         kv_lens = jnp.where(valid, pos + 1, 1)
-        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, attn_impl)
+        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, attn_impl, rows)
         pen = None if dense is None else (*dense, penalties)
         out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, pen, guard=guard)
         if guard is not None:
             guard = guard.after(out[0])
         if dense is not None:  # the drawn token joins the history of the next step
             counts, seen = dense
-            rows = jnp.arange(B)
-            dense = (counts.at[rows, out[0]].add(1), seen.at[rows, out[0]].set(True))
+            ids = jnp.arange(B)
+            dense = (counts.at[ids, out[0]].add(1), seen.at[ids, out[0]].set(True))
         return (kv, out[0], pos + 1, st + 1, dense, guard), out
 
     (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard), None, length=num_steps)
