@@ -236,6 +236,15 @@ def _preset(**kw) -> ModelConfig:
                           "vocab_size": 151936, **kw})
 
 
+def _hybrid_preset(**kw) -> ModelConfig:
+    n = kw["num_layers"]
+    return _preset(**{"vocab_size": 248320, "head_dim": 256, "rope_theta": 1e7, "max_position_embeddings": 262144,
+                      "partial_rotary_factor": 0.25, "attn_output_gate": True, "norm_plus_one": True, "qk_norm": True,
+                      "layer_types": tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                           for i in range(n)),
+                      "lin_conv_kernel": 4, "lin_k_heads": 16, "lin_k_dim": 128, "lin_v_dim": 128, **kw})
+
+
 # Real architectures by name, for benchmarks at real shapes with random weights.
 PRESETS = {
     "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -248,4 +257,11 @@ PRESETS = {
     "qwen3-30b-a3b": _preset(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_layers=48,
                              num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, num_experts=128,
                              num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # hybrids: three Gated DeltaNet layers, then one gated-attention layer (MODELS.md sections 4-5)
+    "qwen3.5-27b": _hybrid_preset(family="qwen3_5", hidden_size=5120, intermediate_size=17408, num_layers=64,
+                                  num_heads=24, num_kv_heads=4, lin_v_heads=48),
+    "qwen3.5-35b-a3b": _hybrid_preset(family="qwen3_5_moe", hidden_size=2048, intermediate_size=512, num_layers=40,
+                                      num_heads=16, num_kv_heads=2, lin_v_heads=32, num_experts=256,
+                                      num_experts_per_tok=8, moe_intermediate_size=512, norm_topk_prob=True,
+                                      shared_expert_intermediate_size=512),
 }

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                         "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
                         "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
-                                                          "qwen3-30b-a3b")
+                                                          "qwen3-30b-a3b, qwen3.5-27b, qwen3.5-35b-a3b")
     p.add_argument("--batches", default="1,8,32,64,128")
     p.add_argument("--contexts", default="1024,8192")
     p.add_argument("--prefill-lens", default="512,4096,16384")

@@ -21,6 +21,10 @@ from scripts.bench_shapes import copy_bandwidth, timed
 SHAPES = {"qwen3.5-27b": (16, 48, 128, 128), "qwen3.5-35b-a3b": (16, 32, 128, 128), "qwen3-next-80b": (16, 32, 128, 128)}
 
 
+# decode kernel tiles timed (dv columns per program, warps); the kernel's default is (32, 4)
+TILES = ((16, 2), (32, 4), (32, 2), (64, 4), (128, 8))
+
+
 def _inputs(key, B, T, Hk, Hv, dk, dv, dtype=jnp.bfloat16):
     ks = jax.random.split(key, 6)
     q = jax.random.normal(ks[0], (B, T, Hk, dk), dtype)
@@ -39,18 +43,20 @@ def run(shape: str, batches, prefills) -> None:
     ref_step = jax.jit(jax.vmap(lambda q, k, v, g, b, s: gated_delta_rule_recurrent(q, k, v, g, b, s)))
     for B in batches:
         q, k, v, g, beta, s = _inputs(jax.random.key(B), B, 1, Hk, Hv, dk, dv)
-        state = [s]
-
-        def ours():
-            o, state[0] = gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state[0])
-            o.block_until_ready()
-        t_ours = timed(ours, 50)
         t_ref = timed(lambda: ref_step(q, k, v, g, beta, s)[0].block_until_ready(), 50)
         roof = 2 * B * Hv * dk * dv * 4 / bw
-        print(json.dumps({"kind": "gdn_decode", "batch": B, "pallas_us": round(t_ours * 1e6, 1),
-                          "jnp_us": round(t_ref * 1e6, 1), "roofline_us": round(roof * 1e6, 1),
-                          "pallas_of_roofline": round(roof / t_ours, 3), "speedup_vs_jnp": round(t_ref / t_ours, 2)}),
-              flush=True)
+        for block_v, warps in TILES:
+            state = [s + 0]                                # the kernel donates (updates in place) its state
+
+            def ours():
+                o, state[0] = gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state[0],
+                                                      block_v=block_v, num_warps=warps)
+                o.block_until_ready()
+            t_ours = timed(ours, 50)
+            print(json.dumps({"kind": "gdn_decode", "batch": B, "block_v": block_v, "num_warps": warps,
+                              "pallas_us": round(t_ours * 1e6, 1), "jnp_us": round(t_ref * 1e6, 1),
+                              "roofline_us": round(roof * 1e6, 1), "pallas_of_roofline": round(roof / t_ours, 3),
+                              "speedup_vs_jnp": round(t_ref / t_ours, 2)}), flush=True)
     chunked = jax.jit(jax.vmap(lambda q, k, v, g, b, s: gated_delta_rule_chunked(q, k, v, g, b, s)))
     for T in prefills:
         q, k, v, g, beta, s = _inputs(jax.random.key(T), 1, T, Hk, Hv, dk, dv)

@@ -2,7 +2,8 @@
 
   decode     tokens/s of the multi-step decode dispatch at each batch size and context, with the
              HBM roofline (bytes one step must read / copy bandwidth measured in this run)
-  prefill    tokens/s and time to first token of one prompt of each length
+  prefill    tokens/s and time to first token of one prompt of each length, and its share of the
+             bf16 matmul throughput measured in this run (model FLOPs utilisation)
   attention  our Pallas kernels against cuDNN (jax.nn.dot_product_attention) at the same shapes,
              and the decode kernel's share of copy bandwidth
   torch      transformers' generate() with its static cache at the same shapes, where torch is present
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 from infernix_jax.config import PRESETS
 from infernix_jax.engine import steps
 from infernix_jax.engine.sampler import SamplingArrays
-from infernix_jax.models.paged import init_paged_kv, kv_bytes_per_token
+from infernix_jax.models.hybrid_paged import StateRows
+from infernix_jax.models.paged import init_paged_kv, kv_bytes_per_token, state_bytes_per_seq
 from infernix_jax.models.params import init_params
 
 GiB = 1 << 30
@@ -54,6 +56,36 @@ def copy_bandwidth() -> float:
     return max(bw_copy, bw_read)
 
 
+def matmul_flops() -> float:
+    """bf16 matmul throughput measured here (an 8192^3 product): the compute roofline of prefill."""
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda x: x @ x)
+    return 2 * 8192 ** 3 / timed(lambda: mm(a).block_until_ready(), 10)
+
+
+def prefill_flops(cfg, n: int) -> float:
+    """Matmul FLOPs of one n-token prompt: 2 x active weights per token (MoE: the routed experts and
+    the shared one), causal attention over the attention layers, and one lm_head row."""
+    H, L = cfg.hidden_size, cfg.num_layers
+    n_attn = sum(not cfg.is_linear_layer(i) for i in range(L))
+    per_tok = 0
+    for i in range(L):
+        if cfg.is_linear_layer(i):
+            conv = 2 * cfg.lin_k_heads * cfg.lin_k_dim + cfg.lin_v_heads * cfg.lin_v_dim
+            per_tok += H * (conv + cfg.lin_v_heads * cfg.lin_v_dim + 2 * cfg.lin_v_heads) \
+                + cfg.lin_v_heads * cfg.lin_v_dim * H
+        else:
+            q = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+            per_tok += H * (q + 2 * cfg.num_kv_heads * cfg.head_dim) + cfg.num_heads * cfg.head_dim * H
+        if cfg.is_moe_layer(i):
+            per_tok += 3 * H * (cfg.num_experts_per_tok * cfg.moe_intermediate_size
+                                + cfg.shared_expert_intermediate_size) + H * cfg.num_experts
+        else:
+            per_tok += 3 * H * cfg.intermediate_size
+    attn = 2 * n * n * cfg.num_heads * cfg.head_dim * n_attn       # QK^T and PV, causal half of 4 n^2 h d
+    return 2 * per_tok * n + attn + 2 * H * cfg.vocab_size
+
+
 class Bench:
     def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas"):
         self.shape, self.cfg = shape, PRESETS[shape]
@@ -65,21 +97,24 @@ class Bench:
         self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
         self.weights_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
         self.per_tok = kv_bytes_per_token(self.cfg, self.dtype)
+        self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state
         self.bw = copy_bandwidth()
+        self.flops = matmul_flops()
         self.results = {"shape": shape, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                        "copy_GBps": self.bw / 1e9, "weights_GiB": self.weights_bytes / GiB, "decode": [],
+                        "copy_GBps": self.bw / 1e9, "matmul_TFLOPs": self.flops / 1e12, "weights_GiB": self.weights_bytes / GiB, "decode": [],
                         "prefill": [], "attention": [], "torch": []}
 
     def step_bytes(self, B: int, ctx: float) -> float:
-        """Bytes one decode step must read: the weights it uses and the batch's KV. For MoE only the
-        experts some token picks are read: under uniform routing, E * (1 - (1 - k/E)^B) of them."""
+        """Bytes one decode step must move: the weights it uses, the batch's KV, and for hybrids each
+        sequence's recurrent state read and written back. For MoE only the experts some token picks
+        are read: under uniform routing, E * (1 - (1 - k/E)^B) of them."""
         cfg, weights = self.cfg, self.weights_bytes
         if cfg.num_experts:
             E, k = cfg.num_experts, cfg.num_experts_per_tok
             n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             experts = n_moe * E * 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(self.dtype).itemsize
             weights = weights - experts + experts * (1 - (1 - k / E) ** B)
-        return weights + B * ctx * self.per_tok
+        return weights + B * ctx * self.per_tok + 2 * B * self.per_seq
 
     def emit(self, kind: str, row: dict) -> None:
         self.results[kind].append(row)
@@ -90,7 +125,9 @@ class Bench:
         M = -(-(ctx + self.k) // self.bs)
         if B * M * self.bs * self.per_tok > kv_budget_gib * GiB:
             return self.emit("decode", {"batch": B, "context": ctx, "skipped": "KV does not fit"})
-        kv = init_paged_kv(self.cfg, B * M + 1, self.bs, self.dtype)
+        kv = init_paged_kv(self.cfg, B * M + 1, self.bs, self.dtype, state_slots=B)
+        rows = StateRows(jnp.arange(B, dtype=jnp.int32), jnp.arange(B, dtype=jnp.int32), jnp.zeros((B,), bool)) \
+            if self.cfg.layer_types else None
         bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
         tok = jnp.zeros((B,), jnp.int32)
         pos = jnp.full((B,), ctx, jnp.int32)
@@ -101,7 +138,7 @@ class Bench:
 
         def call():
             out, state["kv"] = steps.decode_steps(self.params, self.cfg, state["kv"], tok, pos, bt, valid, st, samp,
-                                                  num_steps=self.k, attn_impl=self.impl, want_top=False)
+                                                  num_steps=self.k, attn_impl=self.impl, want_top=False, rows=rows)
             out[0].block_until_ready()
         t0 = time.perf_counter()
         call()
@@ -113,20 +150,31 @@ class Bench:
                              "of_roofline": round(tok_s / roof, 3), "ms_per_step": round(1e3 * sec / self.k, 3),
                              "compile_s": round(compile_s, 1)})
 
-    def prefill(self, n: int, reps: int = 3) -> None:
+    def prefill(self, n: int, reps: int = 3, chunk: int = 8192) -> None:
+        """One n-token prompt, fed as the engine feeds it: chunks of at most `chunk` tokens, each
+        step attending to the KV (and, in hybrids, continuing the state) of the ones before."""
         M = -(-n // self.bs)
-        kv = init_paged_kv(self.cfg, M + 1, self.bs, self.dtype)
-        state = {"kv": kv}
-        args = (jnp.zeros((n,), jnp.int32), jnp.arange(n, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                jnp.arange(M, dtype=jnp.int32)[None], jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32),
-                jnp.asarray([n - 1], jnp.int32), jnp.zeros((1,), jnp.int32), SamplingArrays.greedy(1))
+        state = {"kv": init_paged_kv(self.cfg, M + 1, self.bs, self.dtype, state_slots=1)}
+        i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
+        calls = []
+        for a in range(0, n, chunk):
+            c = min(chunk, n - a)
+            args = (jnp.zeros((c,), jnp.int32), jnp.arange(a, a + c, dtype=jnp.int32),
+                    jnp.arange(a, a + c, dtype=jnp.int32), jnp.arange(M, dtype=jnp.int32)[None], i32(a + c),
+                    i32(0, c), i32(c - 1), jnp.zeros((1,), jnp.int32), SamplingArrays.greedy(1))
+            rows = StateRows(i32(c), i32(1), jnp.zeros((1,), bool), jnp.arange(c, dtype=jnp.int32)[None], i32(c),
+                             i32(0), jnp.asarray([a == 0])) if self.cfg.layer_types else None
+            calls.append((args, rows))
 
         def call():
-            out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, attn_impl=self.impl,
-                                                want_top=False)
+            for args, rows in calls:
+                out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, attn_impl=self.impl,
+                                                    want_top=False, rows=rows)
             out[0].block_until_ready()
         sec = timed(call, reps)
-        self.emit("prefill", {"tokens": n, "tok_s": round(n / sec, 1), "ttft_ms": round(1e3 * sec, 2)})
+        self.emit("prefill", {"tokens": n, "chunk": min(chunk, n), "tok_s": round(n / sec, 1),
+                              "ttft_ms": round(1e3 * sec, 2),
+                              "of_matmul_peak": round(prefill_flops(self.cfg, n) / sec / self.flops, 3)})
 
     def attention(self) -> None:
         from pallas_kernels.paged_decode_attention import paged_decode_attention

@@ -4,6 +4,7 @@ safe from any thread, and events reach requests through their on_event callbacks
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import traceback
@@ -18,6 +19,7 @@ from .request import Event, Request, Result, SamplingParams
 from .runner import Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
 from .scheduler import Scheduler
+from .snapshots import SnapshotStore
 from .sequence import Sequence, Status
 from .stops import TextTracker
 
@@ -48,7 +50,8 @@ def repeats(ids: list[int], min_period: int = 8, max_period: int = 128, times: i
 class Engine:
     def __init__(self, model: LoadedModel, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  kv_cache_gib: float | None = None, memory_fraction: float = 0.9, block_size: int = 16, max_num_batched_tokens: int = 512,
-                 chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None):
+                 chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None,
+                 state_snapshots: int = 0):
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer
@@ -67,8 +70,13 @@ class Engine:
         # Hybrids: a state slot per running sequence; the rows feeding several tokens in one step are
         # capped (the linear layers pad each of them to the step's token count).
         self.max_prefill_rows = 4 if hybrid else None
+        # Hybrids with state_snapshots > 0: prefill chunks end on multiples of the snapshot interval
+        # (whole blocks, whole GDN chunks), where the state is copied to host memory (see SnapshotStore).
+        self.snapshots = SnapshotStore(state_snapshots, math.lcm(block_size, 64)) \
+            if hybrid and state_snapshots > 0 else None
         self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps,
-                                   state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows)
+                                   state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows,
+                                   align=self.snapshots.interval if self.snapshots is not None else 0)
         self.runner = Runner(model, self.plan.num_blocks, block_size,
                              attn_impl or ("pallas" if on_gpu else "reference"), state_slots=max_num_seqs)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
@@ -142,6 +150,10 @@ class Engine:
                     break        # finished, or the loop guard changed what comes next
             if seq.status is Status.RUNNING:
                 self.bm.seal_full_blocks(seq)
+        if self.snapshots is not None:
+            for seq, n in plan:
+                if seq.status is Status.RUNNING and k == 1 and n > 1:
+                    self.snapshots.after_chunk(seq, self.runner.kv, self.bm)
 
     def _accept(self, seq: Sequence, out: StepOutput, j: int) -> bool:
         """Take token j of a step's output. True when the loop guard injected </think>: the rest of a
