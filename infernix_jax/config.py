@@ -20,7 +20,8 @@ HF_FAMILIES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
 }
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")   # Gated DeltaNet + gated attention
-GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                 "qwen3next": "qwen3_next", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
 SUPPORTED_HF = sorted(HF_FAMILIES)
 SUPPORTED_GGUF = sorted(GGUF_FAMILIES)
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -194,22 +195,41 @@ class ModelConfig:
         def g(key, default=None):
             return kv.get(f"{arch}.{key}", default)
 
+        def need(key):
+            if g(key) is None:
+                raise ConfigError(f"GGUF key {arch}.{key} is missing: the file is not a complete {arch} model")
+            return g(key)
+
         heads = int(g("attention.head_count"))
         kv_heads = g("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):  # per-layer list in some files; ours are uniform
             kv_heads = kv_heads[0]
         hidden = int(g("embedding_length"))
         head_dim = int(g("attention.key_length", hidden // heads))
-        moe = fam == "qwen3_moe"
+        moe = fam in ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
         eos = kv.get("tokenizer.ggml.eos_token_id")
         eot = kv.get("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
+        # Qwen3.5 files may append their MTP layers as extra blocks (read as nextn; not loaded yet)
+        n_layers = int(g("block_count")) - int(g("nextn_predict_layers", 0) or 0)
+        hybrid = {}
+        if fam in HYBRID_FAMILIES:
+            every, hv = int(g("full_attention_interval", 4)), int(need("ssm.time_step_rank"))
+            hybrid = dict(
+                layer_types=tuple("full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                  for i in range(n_layers)),
+                attn_output_gate=True, norm_plus_one=True,
+                partial_rotary_factor=int(g("rope.dimension_count", head_dim // 4)) / head_dim,
+                shared_expert_intermediate_size=int(g("expert_shared_feed_forward_length", 0)) if moe else 0,
+                lin_conv_kernel=int(need("ssm.conv_kernel")), lin_k_heads=int(need("ssm.group_count")), lin_v_heads=hv,
+                lin_k_dim=int(need("ssm.state_size")), lin_v_dim=int(need("ssm.inner_size")) // hv,
+                lin_grouped_proj=fam == "qwen3_next")
         return cls(
             family=fam,
             vocab_size=int(g("vocab_size", embed_rows)),
             hidden_size=hidden,
             intermediate_size=int(g("feed_forward_length", 0)),
-            num_layers=int(g("block_count")),
+            num_layers=n_layers,
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
@@ -219,7 +239,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             o_bias="blk.0.attn_output.bias" in tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            qk_norm=bool(hybrid) or "blk.0.attn_q_norm.weight" in tensor_names,
             num_experts=int(g("expert_count", 0)) if moe else 0,
             num_experts_per_tok=int(g("expert_used_count", 0)) if moe else 0,
             moe_intermediate_size=int(g("expert_feed_forward_length", 0)) if moe else 0,
@@ -227,6 +247,7 @@ class ModelConfig:
             norm_topk_prob=bool(g("expert_weights_norm", True)) if moe else False,
             bos_token_id=kv.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
+            **hybrid,
         )
 
 

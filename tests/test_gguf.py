@@ -5,7 +5,7 @@ import gguf
 import numpy as np
 import pytest
 
-from hf_reference import hf_logits, load_into, make_hf_model, write_gguf
+from hf_reference import hf_logits, load_into, make_hf_model, write_gguf, write_hybrid_gguf
 from infernix_jax.loader import load_model
 from infernix_jax.weights import ModelLoadError
 from test_models import RTOL, ours_full, ours_prefill_decode, rel_err
@@ -127,3 +127,46 @@ def test_load_errors_are_one_line_and_actionable(tmp_path):
     (tmp_path / "cfg" / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'.*qwen3"):
         load_model(str(tmp_path / "cfg"))
+
+
+# Hybrids: GGUF files record only full_attention_interval, so the layer pattern follows it.
+HYBRID = {
+    "qwen3next": ("qwen3_next", {}),
+    "qwen35-tiled-v": ("qwen3_5", dict(tie_word_embeddings=True)),         # Hv = 2 Hk: value heads tiled
+    "qwen35moe-tiled-v": ("qwen3_5_moe", dict(linear_num_value_heads=12)),  # Hv = 3 Hk
+}
+
+
+@pytest.mark.parametrize("case", sorted(HYBRID))
+def test_hybrid_gguf_as_llama_cpp_writes_it_matches_transformers(case, tmp_path):
+    """Written with llama.cpp's conversions (norms as 1 + w, ssm_a = -exp(A_log), qkvz split, value
+    heads tiled), loaded back: the same logits as transformers on the original weights."""
+    family, overrides = HYBRID[case]
+    hf = make_hf_model(family, seed=13, num_hidden_layers=4,
+                        layer_types=["linear_attention", "full_attention"] * 2, **overrides)
+    write_hybrid_gguf(hf, tmp_path / "m.gguf", family, mtp_blocks=1 if family == "qwen3_5" else 0)
+    m = load_model(str(tmp_path / "m.gguf"), with_tokenizer=False)
+    assert m.cfg.family == family and m.cfg.num_layers == 4
+    assert m.cfg.layer_types == ("linear_attention", "full_attention") * 2
+    tokens = np.random.default_rng(3).integers(0, m.cfg.vocab_size, (2, 11))
+    ref = hf_logits(hf, tokens)
+    assert rel_err(ours_full(m, tokens), ref) <= RTOL
+    assert rel_err(ours_prefill_decode(m, tokens, 6), ref) <= RTOL
+
+
+def test_hybrid_gguf_missing_ssm_key_is_a_clear_error(tmp_path):
+    hf = make_hf_model("qwen3_5", seed=1, layer_types=["linear_attention", "full_attention"])
+    write_hybrid_gguf(hf, tmp_path / "m.gguf", "qwen3_5")
+    r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen35")
+    for key, field in r.fields.items():
+        if key.startswith("qwen35.") and key != "qwen35.ssm.group_count":
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="ssm.group_count is missing"):
+        load_model(str(tmp_path / "bad.gguf"), with_tokenizer=False)

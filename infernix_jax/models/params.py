@@ -18,28 +18,48 @@ class ParamSpec:
     gguf: str                      # GGUF tensor name
     hf_fused: tuple[str, int] | None = None   # (fused name, chunk index along dim -2)
     gguf_permute_heads: int = 0    # llama GGUF: undo the interleaved-RoPE row order of q/k
+    gguf_fix: tuple = ()           # steps undoing llama.cpp's conversion (weights/gguf_fixes.py)
 
 
 def _linear_attn_specs(cfg: ModelConfig, hf: str, gg: str) -> dict[str, ParamSpec]:
     """Gated DeltaNet weights (Qwen3-Next: grouped qkvz / ba projections; Qwen3.5: separate ones).
-    GGUF names are not mapped yet (the hybrids load from HF directories)."""
+    GGUF (llama.cpp's converter, MODELS.md section 8): ssm_a = -exp(A_log), conv squeezed, Qwen3-Next's
+    qkvz split into attn_qkv + attn_gate, and for Qwen3.5 the value heads in tiled order."""
     H, K = cfg.hidden_size, cfg.lin_conv_kernel
-    key_dim, value_dim, Hv = cfg.lin_k_heads * cfg.lin_k_dim, cfg.lin_v_heads * cfg.lin_v_dim, cfg.lin_v_heads
+    Hk, dk, dv = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    key_dim, value_dim, Hv = Hk * dk, cfg.lin_v_heads * dv, cfg.lin_v_heads
+    r = Hv // Hk
+    # Qwen3.5 files hold value heads tiled (h' = i * Hk + g for HF head g * r + i); Qwen3-Next's grouped
+    untile = () if cfg.lin_grouped_proj or r == 1 else (Hk, r)
+    rows = lambda off, d: (("untile_rows", off, *untile, d),) if untile else ()  # noqa: E731
     la = hf + "linear_attn."
-    s = {"lin_conv": ParamSpec((2 * key_dim + value_dim, 1, K), "normal", la + "conv1d.weight", ""),
-         "lin_A_log": ParamSpec((Hv,), "normal", la + "A_log", ""),
-         "lin_dt_bias": ParamSpec((Hv,), "ones", la + "dt_bias", ""),
-         "lin_norm": ParamSpec((cfg.lin_v_dim,), "ones", la + "norm.weight", ""),
-         "lin_out": ParamSpec((H, value_dim), "normal", la + "out_proj.weight", "")}
+    s = {"lin_conv": ParamSpec((2 * key_dim + value_dim, 1, K), "normal", la + "conv1d.weight",
+                               gg + "ssm_conv1d.weight", gguf_fix=rows(2 * key_dim, dv)),
+         "lin_A_log": ParamSpec((Hv,), "normal", la + "A_log", gg + "ssm_a", gguf_fix=(("a_log",), *rows(0, 1))),
+         "lin_dt_bias": ParamSpec((Hv,), "ones", la + "dt_bias", gg + "ssm_dt.bias", gguf_fix=rows(0, 1)),
+         "lin_norm": ParamSpec((dv,), "ones", la + "norm.weight", gg + "ssm_norm.weight"),
+         "lin_out": ParamSpec((H, value_dim), "normal", la + "out_proj.weight", gg + "ssm_out.weight",
+                              gguf_fix=(("untile_cols", *untile, dv),) if untile else ())}
     if cfg.lin_grouped_proj:
-        s["lin_qkvz"] = ParamSpec((2 * key_dim + 2 * value_dim, H), "normal", la + "in_proj_qkvz.weight", "")
-        s["lin_ba"] = ParamSpec((2 * Hv, H), "normal", la + "in_proj_ba.weight", "")
+        s["lin_qkvz"] = ParamSpec((2 * key_dim + 2 * value_dim, H), "normal", la + "in_proj_qkvz.weight",
+                                  gg + "attn_qkv.weight", gguf_fix=(("qkvz", gg + "attn_gate.weight", Hk, dk, r * dv),))
+        s["lin_ba"] = ParamSpec((2 * Hv, H), "normal", la + "in_proj_ba.weight", gg + "ssm_ba.weight")
     else:
-        s["lin_qkv"] = ParamSpec((2 * key_dim + value_dim, H), "normal", la + "in_proj_qkv.weight", "")
-        s["lin_z"] = ParamSpec((value_dim, H), "normal", la + "in_proj_z.weight", "")
-        s["lin_b"] = ParamSpec((Hv, H), "normal", la + "in_proj_b.weight", "")
-        s["lin_a"] = ParamSpec((Hv, H), "normal", la + "in_proj_a.weight", "")
+        s["lin_qkv"] = ParamSpec((2 * key_dim + value_dim, H), "normal", la + "in_proj_qkv.weight",
+                                 gg + "attn_qkv.weight", gguf_fix=rows(2 * key_dim, dv))
+        s["lin_z"] = ParamSpec((value_dim, H), "normal", la + "in_proj_z.weight", gg + "attn_gate.weight",
+                               gguf_fix=rows(0, dv))
+        s["lin_b"] = ParamSpec((Hv, H), "normal", la + "in_proj_b.weight", gg + "ssm_beta.weight", gguf_fix=rows(0, 1))
+        s["lin_a"] = ParamSpec((Hv, H), "normal", la + "in_proj_a.weight", gg + "ssm_alpha.weight",
+                               gguf_fix=rows(0, 1))
     return s
+
+
+def _norm(cfg: ModelConfig, shape, hf: str, gg: str) -> ParamSpec:
+    """An RMSNorm weight. Zero-centred ones (norm(x) * (1 + w)) are stored as 1 + w in GGUF files."""
+    if cfg.norm_plus_one:
+        return ParamSpec(shape, "zeros", hf, gg, gguf_fix=(("minus1",),))
+    return ParamSpec(shape, "ones", hf, gg)
 
 
 def _layer_specs(cfg: ModelConfig, i: int, hf: str | None = None) -> dict[str, ParamSpec]:
@@ -47,15 +67,16 @@ def _layer_specs(cfg: ModelConfig, i: int, hf: str | None = None) -> dict[str, P
     H = cfg.hidden_size
     mtp = hf is not None
     hf, gg = hf or f"model.layers.{i}.", f"blk.{i}."
-    norm_init = "zeros" if cfg.norm_plus_one else "ones"
     s = {
-        "attn_norm": ParamSpec((H,), norm_init, hf + "input_layernorm.weight", gg + "attn_norm.weight"),
-        "mlp_norm": ParamSpec((H,), norm_init, hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
+        "attn_norm": _norm(cfg, (H,), hf + "input_layernorm.weight", gg + "attn_norm.weight"),
+        # hybrids' GGUF files name it post_attention_norm (ffn_norm elsewhere)
+        "mlp_norm": _norm(cfg, (H,), hf + "post_attention_layernorm.weight",
+                          gg + ("post_attention_norm.weight" if cfg.layer_types else "ffn_norm.weight")),
     }
     if cfg.is_linear_layer(i) and not mtp:
         s.update(_linear_attn_specs(cfg, hf, gg))
     else:
-        s.update(_attn_specs(cfg, hf, gg, norm_init))
+        s.update(_attn_specs(cfg, hf, gg))
     s.update(_mlp_specs(cfg, i, hf, gg, moe=cfg.num_experts > 0 if mtp else None))
     return s
 
@@ -71,7 +92,7 @@ def _mtp_specs(cfg: ModelConfig) -> dict:
             "norm": ParamSpec((H,), "zeros", "mtp.norm.weight", "")}
 
 
-def _attn_specs(cfg: ModelConfig, hf: str, gg: str, norm_init: str) -> dict[str, ParamSpec]:
+def _attn_specs(cfg: ModelConfig, hf: str, gg: str) -> dict[str, ParamSpec]:
     H, hd, nH, nKV = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     permute = cfg.family == "llama"
     q_rows = nH * hd * (2 if cfg.attn_output_gate else 1)     # gated: [q_h | gate_h] per head
@@ -92,8 +113,8 @@ def _attn_specs(cfg: ModelConfig, hf: str, gg: str, norm_init: str) -> dict[str,
     if cfg.o_bias:
         s["bo"] = ParamSpec((H,), "normal", hf + "self_attn.o_proj.bias", gg + "attn_output.bias")
     if cfg.qk_norm:
-        s["q_norm"] = ParamSpec((hd,), norm_init, hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight")
-        s["k_norm"] = ParamSpec((hd,), norm_init, hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight")
+        s["q_norm"] = _norm(cfg, (hd,), hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight")
+        s["k_norm"] = _norm(cfg, (hd,), hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight")
     return s
 
 
@@ -131,8 +152,7 @@ def declare_params(cfg: ModelConfig) -> dict:
     tree = {
         "embed": ParamSpec((V, H), "normal", "model.embed_tokens.weight", "token_embd.weight"),
         "layers": [_layer_specs(cfg, i) for i in range(cfg.num_layers)],
-        "final_norm": ParamSpec((H,), "zeros" if cfg.norm_plus_one else "ones", "model.norm.weight",
-                                "output_norm.weight"),
+        "final_norm": _norm(cfg, (H,), "model.norm.weight", "output_norm.weight"),
     }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = ParamSpec((V, H), "normal", "lm_head.weight", "output.weight")

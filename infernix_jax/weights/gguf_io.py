@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..models.params import ParamSpec
+from . import gguf_fixes
 from .common import ModelLoadError
 
 _ARRAY_KEYS_SKIPPED = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
@@ -63,18 +64,27 @@ class GGUFSource:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def fetch(self, spec: ParamSpec) -> np.ndarray:
-        t = self.tensors.get(spec.gguf)
+    def read(self, name: str) -> np.ndarray:
+        """One tensor, dequantized to float32, rows first."""
+        t = self.tensors.get(name)
         if t is None:
-            raise ModelLoadError(f"tensor {spec.gguf} is missing from the GGUF file")
+            raise ModelLoadError(f"tensor {name} is missing from the GGUF file")
         try:
-            w = self._gguf.quants.dequantize(t.data, t.tensor_type)
+            return np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError:
-            raise ModelLoadError(f"tensor {spec.gguf} uses GGUF type {t.tensor_type.name}, which the gguf "
+            raise ModelLoadError(f"tensor {name} uses GGUF type {t.tensor_type.name}, which the gguf "
                                  f"package cannot dequantize; convert the file to another type") from None
         except Exception as e:
-            raise ModelLoadError(f"tensor {spec.gguf} cannot be read ({e}); the file may be corrupt") from None
-        w = np.asarray(w, dtype=np.float32).reshape(spec.shape) if w.size == np.prod(spec.shape) else w
+            raise ModelLoadError(f"tensor {name} cannot be read ({e}); the file may be corrupt") from None
+
+    def fetch(self, spec: ParamSpec) -> np.ndarray:
+        w = self.read(spec.gguf)
+        if spec.gguf_fix:
+            try:
+                w = gguf_fixes.apply(w, spec.gguf_fix, self.read)
+            except ValueError as e:
+                raise ModelLoadError(f"tensor {spec.gguf}: {e}") from None
+        w = w.reshape(spec.shape) if w.size == np.prod(spec.shape) else w
         if spec.gguf_permute_heads:
             w = unpermute_rope_rows(w, spec.gguf_permute_heads)
         return w
