@@ -54,11 +54,17 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state=None, use_qk_l2norm: bool
     return o, state
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = 64, use_qk_l2norm: bool = True):
-    """The chunked (UT) form of the same recurrence -> (o [T, Hv, dv] fp32, final state)."""
+def chunk_prepare(q, k, v, g, beta, state=None, chunk: int = 64, use_qk_l2norm: bool = True):
+    """The chunk-parallel part of the chunked form: everything that needs no state. Returns
+    (qg, kd, u, w, qk, decay, state, T): per chunk n and value head h, [N, Hv, C, .] arrays
+      qg = q^ exp(gamma)               queries scaled by the decay from the chunk start
+      kd = k^ exp(gamma_last - gamma)  keys scaled by the decay to the chunk end
+      u, w = (I + A)^-1 (beta v), (I + A)^-1 (beta k^ exp(gamma))   the UT transform
+      qk = (q^ k^T) * decay(j -> i), causal [N, Hv, C, C];  decay = exp(gamma_last) [N, Hv]
+    and the fp32 initial state. The sequential part (chunk_scan, or the Pallas kernel) is then,
+    per chunk: v' = u - w S;  o = qg S + qk v';  S = decay S + kd^T v'."""
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state, use_qk_l2norm)
     T, Hv, dk = k.shape
-    dv = v.shape[-1]
     pad = -T % chunk
     if pad:                                                 # beta = g = 0 (and k = 0): no effect on the state
         q, k, v, g, beta = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
@@ -81,16 +87,28 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = 64, use_
     u = tinv @ (v * beta[..., None])                        # [N, Hv, C, dv]
     w = tinv @ (kb * jnp.exp(gamma)[..., None])             # [N, Hv, C, dk]
     qk = jnp.einsum("nhid,nhjd->nhij", q, k) * gam          # causal, diagonal included
+    last = gamma[..., -1:]                                  # [N, Hv, 1]
+    qg = q * jnp.exp(gamma)[..., None]
+    kd = k * jnp.exp(last - gamma)[..., None]
+    return qg, kd, u, w, qk, jnp.exp(last[..., 0]), state, T
+
+
+def chunk_output(o, T: int):
+    """[N, Hv, C, dv] per-chunk outputs -> [T, Hv, dv]."""
+    N, Hv, C, dv = o.shape
+    return jnp.moveaxis(o, 1, 2).reshape(N * C, Hv, dv)[:T]
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = 64, use_qk_l2norm: bool = True):
+    """The chunked (UT) form of the same recurrence -> (o [T, Hv, dv] fp32, final state)."""
+    qg, kd, u, w, qk, decay, state, T = chunk_prepare(q, k, v, g, beta, state, chunk, use_qk_l2norm)
 
     def step(S, x):                                         # S [Hv, dk, dv]
-        qc, kc, uc, wc, qkc, gc = x
+        qc, kc, uc, wc, qkc, dc = x
         v_new = uc - wc @ S                                 # [Hv, C, dv]
-        o = (qc * jnp.exp(gc)[..., None]) @ S + qkc @ v_new
-        last = gc[:, -1]                                    # [Hv]
-        S = S * jnp.exp(last)[:, None, None] + jnp.einsum(
-            "hcd,hce->hde", kc * jnp.exp(last[:, None] - gc)[..., None], v_new)
+        o = qc @ S + qkc @ v_new
+        S = S * dc[:, None, None] + jnp.einsum("hcd,hce->hde", kc, v_new)
         return S, o
 
-    state, o = jax.lax.scan(step, state, (q, k, u, w, qk, gamma))
-    o = jnp.moveaxis(o, 1, 2).reshape(N * C, Hv, dv)[:T]    # [T, Hv, dv]
-    return o, state
+    state, o = jax.lax.scan(step, state, (qg, kd, u, w, qk, decay))
+    return chunk_output(o, T), state

@@ -3,8 +3,8 @@
 - decode: one recurrent step for B sequences, the Pallas kernel against the jnp recurrence (XLA),
   as time per layer and as a share of the state-read roofline (each fp32 state [Hv, dk, dv] read
   and written once: 2 x B x Hv x dk x dv x 4 bytes, over the copy bandwidth measured in the same run);
-- prefill: the jnp chunked form (chunk 64) at the given lengths, in tokens/s per layer (the Pallas
-  prefill kernel joins this table when it exists).
+- prefill: the chunked form (chunk 64) at the given lengths, the Pallas inter-chunk kernel against
+  the all-jnp version, in ms and tokens/s per layer.
 Prints one JSON line per measurement."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 from pallas_kernels.gated_deltanet_decode import gated_delta_rule_decode
+from pallas_kernels.gated_deltanet_prefill import gated_delta_rule_chunked_pallas
 from scripts.bench_shapes import copy_bandwidth, timed
 
 # linear-layer shapes: (key heads, value heads, dk, dv)
@@ -60,6 +61,11 @@ def run(shape: str, batches, prefills) -> None:
     chunked = jax.jit(jax.vmap(lambda q, k, v, g, b, s: gated_delta_rule_chunked(q, k, v, g, b, s)))
     for T in prefills:
         q, k, v, g, beta, s = _inputs(jax.random.key(T), 1, T, Hk, Hv, dk, dv)
-        t = timed(lambda: chunked(q, k, v, g, beta, s)[0].block_until_ready(), 5)
-        print(json.dumps({"kind": "gdn_prefill_jnp_chunked", "tokens": T, "ms": round(t * 1e3, 2),
-                          "tok_s": round(T / t, 1)}), flush=True)
+        t_ref = timed(lambda: chunked(q, k, v, g, beta, s)[0].block_until_ready(), 5)
+        for block_v, warps in ((32, 4), (64, 4), (32, 2)):
+            ours = jax.jit(jax.vmap(lambda q, k, v, g, b, s: gated_delta_rule_chunked_pallas(
+                q, k, v, g, b, s, block_v=block_v, num_warps=warps)))
+            t = timed(lambda: ours(q, k, v, g, beta, s)[0].block_until_ready(), 5)
+            print(json.dumps({"kind": "gdn_prefill", "tokens": T, "block_v": block_v, "num_warps": warps,
+                              "pallas_ms": round(t * 1e3, 2), "jnp_chunked_ms": round(t_ref * 1e3, 2),
+                              "pallas_tok_s": round(T / t, 1), "speedup_vs_jnp": round(t_ref / t, 2)}), flush=True)

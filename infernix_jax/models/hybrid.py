@@ -99,12 +99,13 @@ def gdn_inputs(cfg: ModelConfig, p, x):
     return (mixed, linear(x, p["lin_z"]).reshape(B, T, Hv, dv), linear(x, p["lin_b"]), linear(x, p["lin_a"]))
 
 
-def gdn_core(cfg: ModelConfig, p, mixed, b, a, conv_state, ssm_state, lens=None, decode_fn=None):
+def gdn_core(cfg: ModelConfig, p, mixed, b, a, conv_state, ssm_state, lens=None, decode_fn=None, chunked_fn=None):
     """The recurrent part of a GDN layer for B sequences that each continue their state.
     mixed [B, T, C] (pre-conv q|k|v), b, a [B, T, Hv]; conv_state [B, K-1, C]; ssm_state [B, Hv, dk, dv].
     lens [B]: real tokens per row (right padding; None = all T). Padding gets beta = g = 0, so it
     never touches the SSM state, and the new conv state is the K-1 rows before each row's end.
-    decode_fn(q, k, v, g, beta, state) replaces the jnp recurrence when T == 1 (the Pallas kernel).
+    decode_fn(q, k, v, g, beta, state) replaces the jnp recurrence when T == 1, and chunked_fn (one
+    sequence, vmapped here) the jnp chunked form when T > 1: the Pallas kernels.
     -> (o [B, T, Hv, dv] fp32, conv_state, ssm_state)."""
     B, T, _ = mixed.shape
     Hk, Hv, dk, dv, K = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, cfg.lin_conv_kernel
@@ -130,7 +131,7 @@ def gdn_core(cfg: ModelConfig, p, mixed, b, a, conv_state, ssm_state, lens=None,
     if T == 1 and decode_fn is not None:
         o, ssm_state = decode_fn(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_state)
         return o[:, None], conv_state, ssm_state
-    rule = gated_delta_rule_recurrent if T == 1 else gated_delta_rule_chunked
+    rule = gated_delta_rule_recurrent if T == 1 else (chunked_fn or gated_delta_rule_chunked)
     o, ssm_state = jax.vmap(rule)(q, k, v, g, beta, ssm_state)                    # [B, T, Hv, dv]
     return o, conv_state, ssm_state
 

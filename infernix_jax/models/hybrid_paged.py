@@ -5,7 +5,8 @@ pool beside it (PagedKV.conv / .ssm, one slot per running sequence).
 In a ragged step the flat token axis mixes rows that feed one token (decodes) and rows that feed a
 prefill chunk. The recurrence needs each row's tokens in order, so the linear layers gather them
 into two layouts (StateRows): one token per row for the decodes (the recurrent step: the Pallas
-decode kernel on GPUs), and [rows, T] right-padded for the prefill chunks (the chunked form), then
+decode kernel on GPUs), and [rows, T] right-padded for the prefill chunks (the chunked form: its
+inter-chunk pass in Pallas on GPUs), then
 scatter the outputs back to the flat axis. Padding reads state slot S (out of range: zeros) and
 its writes are dropped, and padded tokens get beta = g = 0: nothing leaks into any state.
 
@@ -42,34 +43,38 @@ class StateRows:
     pre_fresh: jax.Array | None = None
 
 
-def _decode_fn(attn_impl: str):
+def _gdn_fns(attn_impl: str):
+    """(decode_fn, chunked_fn) for gdn_core: the Pallas kernels, or None for the jnp references."""
     if attn_impl in ("pallas", "pallas_interpret"):
         from pallas_kernels.gated_deltanet_decode import gated_delta_rule_decode
-        return partial(gated_delta_rule_decode, interpret=attn_impl == "pallas_interpret")
-    return None                                                   # the jnp recurrence
+        from pallas_kernels.gated_deltanet_prefill import gated_delta_rule_chunked_pallas
+        interpret = attn_impl == "pallas_interpret"
+        return (partial(gated_delta_rule_decode, interpret=interpret),
+                partial(gated_delta_rule_chunked_pallas, interpret=interpret))
+    return None, None
 
 
-def _run_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, tok, slot, fresh, lens, decode_fn, out):
+def _run_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, tok, slot, fresh, lens, fns, out):
     """One layout: tok [R, T] flat indices -> outputs scattered into out [N, Hv, dv], pools updated."""
     take = lambda arr: jnp.take(arr, tok, axis=0, mode="fill", fill_value=0)  # noqa: E731  [R, T, ...]
     keep = ~fresh
     cs = jnp.take(conv_pool, slot, axis=0, mode="fill", fill_value=0) * keep[:, None, None].astype(conv_pool.dtype)
     ss = jnp.where(keep[:, None, None, None], jnp.take(ssm_pool, slot, axis=0, mode="fill", fill_value=0), 0.0)
-    o, cs, ss = gdn_core(cfg, p, take(mixed), take(b), take(a), cs, ss, lens, decode_fn)
+    o, cs, ss = gdn_core(cfg, p, take(mixed), take(b), take(a), cs, ss, lens, *fns)
     conv_pool = conv_pool.at[slot].set(cs.astype(conv_pool.dtype), mode="drop")
     ssm_pool = ssm_pool.at[slot].set(ss, mode="drop")
     return out.at[tok].set(o, mode="drop"), conv_pool, ssm_pool
 
 
-def _gdn_paged(cfg: ModelConfig, p, x, conv_pool, ssm_pool, rows: StateRows, decode_fn):
+def _gdn_paged(cfg: ModelConfig, p, x, conv_pool, ssm_pool, rows: StateRows, fns):
     """x [N, H] flat -> (output [N, H], conv_pool, ssm_pool)."""
     mixed, z, b, a = (t[0] for t in gdn_inputs(cfg, p, x[None]))      # [N, C], [N, Hv, dv], [N, Hv] x2
     out = jnp.zeros((x.shape[0], cfg.lin_v_heads, cfg.lin_v_dim), jnp.float32)
     out, conv_pool, ssm_pool = _run_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, rows.dec_tok[:, None],
-                                         rows.dec_slot, rows.dec_fresh, None, decode_fn, out)
+                                         rows.dec_slot, rows.dec_fresh, None, fns, out)
     if rows.pre_tok is not None:
         out, conv_pool, ssm_pool = _run_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, rows.pre_tok,
-                                             rows.pre_slot, rows.pre_fresh, rows.pre_len, None, out)
+                                             rows.pre_slot, rows.pre_fresh, rows.pre_len, fns, out)
     return gdn_output(cfg, p, out, z, x.dtype), conv_pool, ssm_pool
 
 
@@ -78,7 +83,7 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
     """models.paged.forward_paged for hybrids: tokens, positions, slots [N] -> hidden [N, H], the cache."""
     new_k, new_v, conv, ssm = list(kv.k), list(kv.v), list(kv.conv), list(kv.ssm)
     attend = paged_attend(new_k, new_v, slots, block_tables, kv_lens, cu_q, attn_impl)
-    decode_fn = _decode_fn(attn_impl)
+    fns = _gdn_fns(attn_impl)
     eps = cfg.rms_norm_eps
     x = params["embed"][tokens][None]                                  # [1, N, H]
     ia = il = 0
@@ -86,7 +91,7 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
         with jax.named_scope(f"layer{i}"):
             h = rms_norm_1p(x, p["attn_norm"], eps)
             if cfg.is_linear_layer(i):
-                h, conv[il], ssm[il] = _gdn_paged(cfg, p, h[0], conv[il], ssm[il], rows, decode_fn)
+                h, conv[il], ssm[il] = _gdn_paged(cfg, p, h[0], conv[il], ssm[il], rows, fns)
                 h, il = h[None], il + 1
             else:
                 h = gated_attention(cfg, p, h, positions[None], lambda q, k, v, j=ia: attend(j, q, k, v))
