@@ -154,12 +154,13 @@ def _tile(x: np.ndarray, Hk: int, r: int, d: int) -> np.ndarray:
     return x.reshape(Hk, r, d, *rest).swapaxes(0, 1).reshape(-1, *rest)
 
 
-def write_hybrid_gguf(model, path, family: str, mtp_blocks: int = 0) -> None:
+def write_hybrid_gguf(model, path, family: str, mtp_blocks: int = 0, tokenizer_from=None) -> None:
     """Write a Qwen3-Next / Qwen3.5 model as llama.cpp's converter does (MODELS.md section 8):
     norms stored as 1 + w (except the GDN output norm), ssm_a = -exp(A_log), conv squeezed,
     Qwen3-Next's in_proj_qkvz split into attn_qkv + attn_gate, Qwen3.5's value heads tiled.
     mtp_blocks: blocks appended for MTP (block_count and nextn_predict_layers count them; their
-    tensors are not written, as our loader does not read them)."""
+    tensors are not written, as our loader does not read them). tokenizer_from: a GGUF file whose
+    tokenizer.* keys (vocabulary, merges, chat template) are copied in."""
     import gguf
     cfg = model.config
     arch = GGUF_ARCH[family]
@@ -190,6 +191,11 @@ def write_hybrid_gguf(model, path, family: str, mtp_blocks: int = 0) -> None:
     assert all((t == "full_attention") == ((i + 1) % every == 0) for i, t in enumerate(cfg.layer_types)), \
         "GGUF files can only describe layers with a full-attention interval"
     w.add_full_attention_interval(every)
+    if tokenizer_from is not None:
+        for key, field in gguf.GGUFReader(str(tokenizer_from)).fields.items():
+            if key.startswith("tokenizer."):
+                sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
     if family != "qwen3_5":
         w.add_expert_count(cfg.num_experts)
