@@ -49,10 +49,11 @@ def _compiler_params(num_warps: int, num_stages: int):
 @functools.partial(jax.jit, static_argnames=("chunk", "use_qk_l2norm", "interpret", "block_v", "num_warps",
                                              "num_stages"))
 def gated_delta_rule_chunked_pallas(q, k, v, g, beta, state=None, chunk: int = 64, use_qk_l2norm: bool = True,
-                                    interpret: bool = False, block_v: int = 32, num_warps: int = 4,
+                                    interpret: bool = False, block_v: int = 64, num_warps: int = 4,
                                     num_stages: int = 2):
     """Same contract as gated_deltanet.gated_delta_rule_chunked: q, k [T, Hk, dk]; v [T, Hv, dv];
-    g, beta [T, Hv]; state [Hv, dk, dv] or None -> (o [T, Hv, dv] fp32, final state fp32)."""
+    g, beta [T, Hv]; state [Hv, dk, dv] or None -> (o [T, Hv, dv] fp32, final state fp32).
+    block_v 64 / 4 warps: the best of the sweep at Qwen3.5-27B's shape on an H200 (docs/benchmarks.md)."""
     qg, kd, u, w, qk, decay, state, T = chunk_prepare(q, k, v, g, beta, state, chunk, use_qk_l2norm)
     N, Hv, C, dk = w.shape
     dv = u.shape[-1]
