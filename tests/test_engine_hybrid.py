@@ -136,3 +136,23 @@ def test_memory_plan_counts_the_state_pool(hybrid):
     assert plan.state_bytes == 8 * 3 * per_layer
     assert plan.kv_bytes_per_token == 2 * 1 * cfg.num_kv_heads * cfg.head_dim * 4      # one attention layer
     assert "state pool" in plan.describe()
+
+
+def test_loop_guard_inside_a_multi_step_decode_recomputes_the_state(hybrid, prompts, monkeypatch):
+    """When the thinking-loop guard injects </think> in the middle of a multi-step dispatch, the rest
+    of the dispatch is dropped; the recurrent state already absorbed it, so the sequence is recomputed:
+    the same tokens as one step per dispatch. (The guard is forced at the 32nd token.)"""
+    from infernix_jax.engine import engine as engine_mod
+    monkeypatch.setattr(engine_mod, "repeats", lambda ids: len(ids) == 32)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, think_open=True)
+
+    def run(k):   # one request at a time: after the prefill token, dispatches of k tokens (1 + 4m + 3 = 32)
+        eng = Engine(hybrid, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=k)
+        eng.think_ids = eng.runner.think_ids = (500, 501, ())
+        return [eng.generate([Request(p, params)])[0].token_ids for p in prompts[:3]], eng
+    one, _ = run(1)
+    many, eng = run(4)
+    assert all(ids[32] == 501 for ids in one)                                 # the guard fired in each
+    assert many == one
+    assert eng.scheduler.num_requeued == 3                                    # mid-dispatch in each
+    assert_all_released(eng)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..loader import LoadedModel
 from .block_manager import BlockManager
-from .plan import MemoryPlan, make_plan
+from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan
 from .request import Event, Request, Result, SamplingParams
 from .runner import Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
@@ -66,10 +66,10 @@ class Engine:
         steps = decode_steps if decode_steps is not None else (8 if on_gpu else 4)
         # Without chunking a whole prompt must fit in one step's budget.
         budget = max(max_num_batched_tokens, max_num_seqs, 0 if chunked_prefill else self.max_context)
-        hybrid = bool(self.cfg.layer_types)
+        self.hybrid = hybrid = bool(self.cfg.layer_types)
         # Hybrids: a state slot per running sequence; the rows feeding several tokens in one step are
         # capped (the linear layers pad each of them to the step's token count).
-        self.max_prefill_rows = 4 if hybrid else None
+        self.max_prefill_rows = HYBRID_PREFILL_ROWS if hybrid else None
         # Hybrids with state_snapshots > 0: prefill chunks end on multiples of the snapshot interval
         # (whole blocks, whole GDN chunks), where the state is copied to host memory (see SnapshotStore).
         self.snapshots = SnapshotStore(state_snapshots, math.lcm(block_size, 64)) \
@@ -146,13 +146,20 @@ class Engine:
             for j in range(len(out.ids)):
                 if k > 1:
                     seq.num_computed += 1
-                if self._accept(seq, out, j) or seq.status is not Status.RUNNING:
-                    break        # finished, or the loop guard changed what comes next
+                if self._accept(seq, out, j):
+                    # the loop guard injected </think>: the rest of the dispatch is dropped. KV slots
+                    # are simply overwritten, but a hybrid's recurrent state has absorbed the dropped
+                    # tokens and cannot be rewound: recompute the sequence (rare).
+                    if self.hybrid and j < len(out.ids) - 1:
+                        self.scheduler.requeue(seq)
+                    break
+                if seq.status is not Status.RUNNING:
+                    break
             if seq.status is Status.RUNNING:
                 self.bm.seal_full_blocks(seq)
         if self.snapshots is not None:
-            for seq, n in plan:
-                if seq.status is Status.RUNNING and k == 1 and n > 1:
+            for seq, n in plan:      # prefill chunks (a 1-token one may end on a boundary too)
+                if seq.status is Status.RUNNING and k == 1 and (n > 1 or seq.num_computed <= len(seq.prompt_ids)):
                     self.snapshots.after_chunk(seq, self.runner.kv, self.bm)
 
     def _accept(self, seq: Sequence, out: StepOutput, j: int) -> bool:

@@ -13,6 +13,7 @@ from ..models.paged import kv_bytes_per_token, state_bytes_per_seq
 from ..models.params import abstract_params
 
 GiB = 1 << 30
+HYBRID_PREFILL_ROWS = 4       # hybrids: rows feeding several tokens in one step (each padded to the step)
 
 
 @dataclasses.dataclass
@@ -70,6 +71,9 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
     # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)
     workspace = 6 * max_num_batched_tokens * widest * 4 + 4 * max_num_seqs * cfg.vocab_size * 4
+    if cfg.layer_types:   # the linear layers' padded prefill layout: conv inputs, gates, chunk matrices
+        conv = 2 * cfg.lin_k_heads * cfg.lin_k_dim + cfg.lin_v_heads * cfg.lin_v_dim
+        workspace += HYBRID_PREFILL_ROWS * max_num_batched_tokens * (3 * conv + 5 * cfg.lin_v_heads * 64) * 4
     state = max_num_seqs * state_bytes_per_seq(cfg, dtype)
     device = device_memory_bytes()
     if kv_cache_gib is not None:

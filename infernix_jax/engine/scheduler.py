@@ -30,6 +30,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_requeued = 0                 # preemptions and recomputes asked for by the engine
+        self.state_slots = state_slots
         self.free_slots: list[int] = list(range(state_slots))[::-1]
         self.max_prefill_rows = max_prefill_rows
         self.align = align
@@ -56,11 +58,17 @@ class Scheduler:
             seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.requeue(seq)
+        self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and state slot and put it first in the queue: it is
+        recomputed from its prompt and outputs so far."""
         self.running.remove(seq)
         self._release(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.num_requeued += 1
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq to feed this step under the budget (0: none, it waits)."""
@@ -70,7 +78,7 @@ class Scheduler:
         if self.align and seq.num_computed + n < len(seq.prompt_ids) and n < seq.num_pending:
             end = (seq.num_computed + n) // self.align * self.align      # stop on a snapshot boundary
             n = end - seq.num_computed if end > seq.num_computed else n
-        elif self.align and n > 1:         # the prompt's last boundary inside this chunk: stop there
+        elif self.align and self.chunked and n > 1:     # the prompt's last boundary inside this chunk: stop there
             end = len(seq.prompt_ids) // self.align * self.align
             if seq.num_computed < end < seq.num_computed + n:
                 n = end - seq.num_computed
@@ -107,8 +115,10 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0 or self._prefill_rows_full(plan, n) or not self.bm.can_grow(seq, seq.num_computed + n):
                 break
+            if self.state_slots and not self.free_slots:
+                break                      # cannot happen while slots == max_num_seqs; never run slotless
             self.waiting.popleft()
-            if self.free_slots:
+            if self.state_slots:
                 seq.state_slot = self.free_slots.pop()
             self.bm.grow(seq, seq.num_computed + n)
             seq.status = Status.RUNNING
