@@ -10,6 +10,27 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def _memory_maps() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:            # not Linux: no such limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_code():
+    """XLA's CPU backend maps memory for every compiled executable, and Linux allows a process
+    65,530 maps (vm.max_map_count): one engine test compiles thousands of shapes' worth, and the
+    whole suite in one process went past the limit, where a failed mmap aborts the process. Drop the
+    compiled code once the count gets high (later tests recompile what they need)."""
+    yield
+    if _memory_maps() > 30_000:
+        import gc
+        jax.clear_caches()
+        gc.collect()
+
+
 def pytest_collection_modifyitems(config, items):
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
