@@ -51,6 +51,23 @@ def add_engine_args(p):
                    help="decode steps per dispatch when no request needs the host (default 8 on GPU, 4 on CPU)")
     g.add_argument("--attn-impl", choices=["reference", "pallas", "pallas_interpret"], default=None,
                    help="attention implementation (default: pallas on GPU, reference jnp on CPU)")
+    g = p.add_argument_group("prefix cache")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not keep computed prefixes for reuse (every prompt is prefilled in full)")
+    g.add_argument("--prefix-cache-ram-gib", type=float, default=0.0, metavar="N",
+                   help="host RAM for KV blocks the device evicts, copied back instead of recomputed (default off)")
+    g.add_argument("--ram-resize", choices=["auto", "off"], default="auto",
+                   help="auto: shrink the RAM tier while less than 2 GiB of RAM is available, grow it back later")
+    g.add_argument("--state-snapshots", type=int, default=None, metavar="N",
+                   help="hybrid models: recurrent-state snapshots kept in host RAM, without which a cached prefix "
+                        "cannot resume (default 16 with the prefix cache; a Qwen3.5-27B snapshot is 147 MiB)")
+    g.add_argument("--ssd-context-gib", type=float, default=0.0, metavar="N",
+                   help="opt-in SSD tier: what the RAM tier gives up is compressed into a scratch file of N GiB")
+    g.add_argument("--ssd-context-dir", default=None, metavar="DIR", help="where the SSD tier's scratch file lives")
+    g.add_argument("--ssd-context-gib-per-hour", type=float, default=8.0, metavar="N",
+                   help="SSD write budget; past it blocks are dropped instead of written (default %(default)s)")
+    g.add_argument("--prefix-cache-file", default=None, metavar="PATH",
+                   help="save the prefix cache here at shutdown and load it at start (when it matches the model)")
 
 
 def engine_kwargs(a) -> dict:
@@ -63,7 +80,15 @@ def engine_kwargs(a) -> dict:
         raise ValueError("--kv-cache-gib must be > 0")
     if not 0 < a.memory_fraction <= 1:
         raise ValueError("--memory-fraction must be in (0, 1]")
+    if a.prefix_cache_ram_gib < 0:
+        raise ValueError("--prefix-cache-ram-gib must be >= 0")
+    if a.state_snapshots is not None and a.state_snapshots < 0:
+        raise ValueError("--state-snapshots must be >= 0")
     return dict(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,
+                prefix_cache=not a.no_prefix_cache, prefix_cache_ram_gib=a.prefix_cache_ram_gib,
+                ram_resize=a.ram_resize, state_snapshots=a.state_snapshots, ssd_context_gib=a.ssd_context_gib,
+                ssd_context_dir=a.ssd_context_dir, ssd_gib_per_hour=a.ssd_context_gib_per_hour,
+                prefix_cache_file=a.prefix_cache_file,
                 memory_fraction=a.memory_fraction,
                 block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                 chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl)

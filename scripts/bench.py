@@ -1,6 +1,7 @@
 """infernix-bench: decode speed of the engine, against transformers measured in the same run.
 
   python -m scripts.bench decode [--model M] [--batch 1] [--prompt-tokens 128] [--new-tokens 128]
+  python -m scripts.bench prefix [--tokens 2048] [--shape qwen3-8b]   (see scripts/bench_prefix.py)
 
 Prints tokens/s for our engine (prefill excluded, after a warm-up run that compiles) and for
 transformers' generate() on torch with the same weights, greedy, and the ratio between them."""
@@ -66,10 +67,11 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode", "shapes", "gdn"],
+    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix"],
                    help="decode: a real model on this machine vs transformers; shapes: random weights at "
                         "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
-                        "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py")
+                        "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py; prefix: time to "
+                        "first token of a resent conversation from each prefix-cache tier, see scripts/bench_prefix.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
                                                           "qwen3-30b-a3b, qwen3.5-27b, qwen3.5-35b-a3b")
     p.add_argument("--batches", default="1,8,32,64,128")
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--no-reference", action="store_true", help="skip the transformers run")
+    p.add_argument("--tokens", type=int, default=2048, help="for 'prefix': the conversation's length")
+    p.add_argument("--chunk", type=int, default=2048, help="for 'prefix': the prefill chunk (token budget of a step)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV pool of our engine (default: what the engine picks for the lengths below)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -100,6 +104,14 @@ def main(argv=None) -> int:
                 raise ValueError(f"unknown gdn shape {shape!r}; known: {', '.join(bench_gdn.SHAPES)}")
             ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
             bench_gdn.run(shape, ints(a.batches), ints(a.prefill_lens))
+            return 0
+        if a.what == "prefix":
+            from scripts import bench_prefix
+            shape = None if a.shape == p.get_default("shape") else a.shape     # default: the real --model
+            if a.tokens < 64:
+                raise ValueError("--tokens must be >= 64")
+            bench_prefix.run(shape, a.model, a.dtype, a.tokens, a.chunk,
+                             None if a.out == p.get_default("out") else a.out)
             return 0
         if a.what == "shapes":
             from scripts import bench_shapes

@@ -257,9 +257,10 @@ def tool_use_block(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call.name, "input": inp}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    """Anthropic counts cache reads apart from input_tokens (clients add them up for the context)."""
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def message_body(meta, reasoning: str, text: str, calls: list[ToolCall], done: Done) -> dict:
@@ -272,7 +273,7 @@ def message_body(meta, reasoning: str, text: str, calls: list[ToolCall], done: D
     content += [tool_use_block(c) for c in calls]
     return {"id": meta["id"], "type": "message", "role": "assistant", "model": meta["model"], "content": content,
             "stop_reason": _stop_reason(done), "stop_sequence": done.stop_sequence,
-            "usage": usage(done.prompt_tokens, done.completion_tokens)}
+            "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)}
 
 
 def _stop_reason(done: Done) -> str:
@@ -350,6 +351,7 @@ class StreamRenderer:
             out += self._close()
             out.append(sse("message_delta", {"type": "message_delta",
                                              "delta": {"stop_reason": _stop_reason(v), "stop_sequence": v.stop_sequence},
-                                             "usage": {"output_tokens": v.completion_tokens}}))
+                                             "usage": usage(v.prompt_tokens, v.completion_tokens,
+                                                            v.cached_tokens)}))
             out.append(sse("message_stop", {"type": "message_stop"}))
         return out

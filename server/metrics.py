@@ -38,8 +38,9 @@ class RequestStats:
             self.gaps.append(now - self.t_last)
         self.t_last = now
 
-    def on_done(self, prompt_tokens: int, completion_tokens: int, reason: str) -> None:
+    def on_done(self, prompt_tokens: int, completion_tokens: int, reason: str, cached_tokens: int = 0) -> None:
         self.prompt_tokens = max(self.prompt_tokens, prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, cached_tokens)
         self.completion_tokens += completion_tokens
         self.finish_reasons.append(reason)
 
@@ -51,6 +52,8 @@ class Metrics:
                                 registry=r)
         self.prompt_tokens = Counter("infernix_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("infernix_generation_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter("infernix_prefix_cache_hit_tokens",
+                                     "prompt tokens of finished requests taken from the prefix cache", registry=r)
         self.ttft = Histogram("infernix_time_to_first_token_seconds", "request arrival to first output token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("infernix_inter_token_latency_seconds", "time between output deltas",
@@ -64,6 +67,15 @@ class Metrics:
         bm = engine.bm
         Gauge("infernix_kv_usage_ratio", "share of KV blocks in use", registry=r).set_function(
             lambda: 1.0 - bm.num_free / max(1, bm.num_blocks))
+        cache = engine.cache
+        if cache is not None:
+            Gauge("infernix_prefix_cache_device_blocks", "KV blocks kept for reuse on the device (in use or not)",
+                  registry=r).set_function(lambda: bm.num_cached)
+            if cache.host is not None:
+                Gauge("infernix_prefix_cache_ram_bytes", "bytes held by the prefix cache's RAM tier",
+                      registry=r).set_function(lambda: cache.host.used)
+                Gauge("infernix_prefix_cache_ram_limit_bytes", "the RAM tier's size limit now (auto resize moves it)",
+                      registry=r).set_function(lambda: cache.host.limit)
         self.log_path = log_path
         self._log_lock = threading.Lock()
         self._log = open(log_path, "a", encoding="utf-8") if log_path else None
@@ -76,6 +88,7 @@ class Metrics:
         self.requests.labels(st.endpoint, str(status)).inc()
         if status == 200:
             self.prompt_tokens.inc(st.prompt_tokens)
+            self.cached_tokens.inc(st.cached_tokens)
             self.generation_tokens.inc(st.completion_tokens)
             self.e2e.observe(end - st.t0)
             if st.t_first is not None:

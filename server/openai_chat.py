@@ -224,8 +224,9 @@ def tool_call_item(call: ToolCall, index: int | None = None) -> dict:
     return item if index is None else {"index": index, **item}
 
 
-def usage(p: int, c: int) -> dict:
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def usage(p: int, c: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_body(meta, results: list[tuple[str, str, list, list, Done]], tokenizer) -> dict:
@@ -240,7 +241,8 @@ def completion_body(meta, results: list[tuple[str, str, list, list, Done]], toke
                         "logprobs": {"content": logprobs_content(tokenizer, lps)} if meta["logprobs"] else None})
     return {"id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"],
             "choices": choices, "usage": usage(results[0][4].prompt_tokens,
-                                               sum(r[4].completion_tokens for r in results))}
+                                               sum(r[4].completion_tokens for r in results),
+                                               min(r[4].cached_tokens for r in results))}
 
 
 def stream_end(meta: dict, obj: str, done: list, prompt_tokens: int) -> list[str]:
@@ -249,7 +251,8 @@ def stream_end(meta: dict, obj: str, done: list, prompt_tokens: int) -> list[str
     out = []
     if meta["include_usage"] and all(done):
         body = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"], "choices": [],
-                "usage": usage(prompt_tokens, sum(d.completion_tokens for d in done))}
+                "usage": usage(prompt_tokens, sum(d.completion_tokens for d in done),
+                               min(d.cached_tokens for d in done))}
         out.append("data: " + json.dumps(body) + "\n\n")
     return out + ["data: [DONE]\n\n"]
 

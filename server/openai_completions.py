@@ -98,7 +98,8 @@ def body_of(meta, results: list[tuple[str, str, list, list, Done]], tokenizer, n
                         "logprobs": logprobs_block(tokenizer, lps, len(echo)) if meta["logprobs"] else None})
     prompt_tokens = sum(len(p) for p in meta["prompts"])
     return {"id": meta["id"], "object": "text_completion", "created": meta["created"], "model": meta["model"],
-            "choices": choices, "usage": usage(prompt_tokens, sum(r[4].completion_tokens for r in results))}
+            "choices": choices, "usage": usage(prompt_tokens, sum(r[4].completion_tokens for r in results),
+                                               sum(results[i * n][4].cached_tokens for i in range(len(meta["prompts"]))))}
 
 
 class StreamRenderer:

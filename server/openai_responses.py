@@ -196,7 +196,7 @@ def build(body, engine, tolerant: bool = False):
 def _usage(done: Done | None) -> dict | None:
     if done is None:
         return None
-    return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cached_tokens},
             "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 

@@ -24,6 +24,7 @@ class Done:
     completion_tokens: int
     error: str = ""
     stop_sequence: str | None = None
+    cached_tokens: int = 0    # prompt tokens taken from the prefix cache
 
 
 @dataclasses.dataclass
@@ -108,8 +109,9 @@ class Turn:
         out = [] if self.cut else self._finish(ev.finish_reason or "stop")
         reason = "tool_calls" if self.calls and (ev.finish_reason == "stop" or self.cut) else ev.finish_reason
         if self.stats is not None:
-            self.stats.on_done(ev.prompt_tokens, ev.completion_tokens, reason)
-        out.append(("done", Done(reason, ev.prompt_tokens, ev.completion_tokens, stop_sequence=ev.stop_sequence)))
+            self.stats.on_done(ev.prompt_tokens, ev.completion_tokens, reason, ev.cached_tokens)
+        out.append(("done", Done(reason, ev.prompt_tokens, ev.completion_tokens, stop_sequence=ev.stop_sequence,
+                                 cached_tokens=ev.cached_tokens)))
         return out
 
     async def collect(self) -> tuple[str, str, list, list, Done]:

@@ -19,7 +19,7 @@ def test_message_plain(claude):
     assert m.type == "message" and m.role == "assistant" and m.model == "test-model"
     assert m.content[0].type == "text" and "Paris" in m.content[0].text
     assert m.stop_reason == "end_turn" and m.stop_sequence is None
-    assert m.usage.input_tokens > 10 and 0 < m.usage.output_tokens <= 32
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 10 and 0 < m.usage.output_tokens <= 32
 
 
 def test_stream_events_and_text_equal_plain(claude):
@@ -54,7 +54,7 @@ def test_system_forms_billing_line_and_system_role_in_messages(claude, server_ur
     n2 = claude.messages.count_tokens(model="m", messages=ASK, system=[
         {"type": "text", "text": "x-anthropic-billing-header: cc_version=9.9.9.fff;"},
         {"type": "text", "text": "Answer in one word."}]).input_tokens
-    assert n1 == n2 == base.usage.input_tokens
+    assert n1 == n2 == base.usage.input_tokens + base.usage.cache_read_input_tokens
     # Claude Code puts system entries inside messages, with string or block content
     r = httpx.post(server_url + "/v1/messages", timeout=120, json={"model": "m", "max_tokens": 8, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Hi."}, {"type": "text", "text": "Say hello."}]},

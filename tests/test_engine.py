@@ -256,7 +256,7 @@ def test_bucket():
     assert [steps.bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
 
 
-def test_chained_block_hashes_follow_the_prefix():
+def test_chained_block_keys_follow_the_prefix():
     from infernix_jax.engine.block_manager import BlockManager
     from infernix_jax.engine.sequence import Sequence
     bm = BlockManager(num_blocks=8, block_size=4)
@@ -271,17 +271,18 @@ def test_chained_block_hashes_follow_the_prefix():
         s.num_computed = 11                        # two more full blocks, sealed incrementally
         bm.seal_full_blocks(s)
         assert s.tokens(8, 11) == s.all_ids[8:11]
-    ha = [bm.block_hash[x] for x in a.block_ids[:2]]
-    hb = [bm.block_hash[x] for x in b.block_ids[:2]]
-    assert ha == hb                                # same first 8 tokens, same chain
+    assert a.block_keys[:2] == b.block_keys[:2]    # same first 8 tokens, same chain
+    assert [bm.by_key[k] for k in a.block_keys[:2]] == a.block_ids[:2]    # a sealed them first: its blocks
     bm.grow(a, 12)
     a.out_ids.append(7)
     a.num_computed = 12
     bm.seal_full_blocks(a)
-    assert bm.block_hash[a.block_ids[2]] != bm.block_hash.get(b.block_ids[2])
+    assert len(a.block_keys) == 3 and len(b.block_keys) == 2
     bm.release(a)
-    bm.release(b)
-    assert bm.num_free == 8 and not bm.block_hash
+    bm.release(b)       # b's copies of a's two blocks are not kept; its partial last block (3 tokens) is
+    assert bm.num_free == 8 and bm.num_cached == 3 + 1 and len(bm.lru) == 4
+    bm.clear_cache()
+    assert bm.num_free == 8 and bm.num_cached == 0 and len(bm.free) == 8
 
 
 def test_think_guard_bans_ending_inside_thinking():

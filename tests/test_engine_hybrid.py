@@ -10,6 +10,7 @@ import pytest
 
 from hf_reference import hf_config
 from infernix_jax.config import ModelConfig
+from infernix_jax.engine.block_manager import chain_key
 from infernix_jax.engine import Engine, Request, SamplingParams
 from infernix_jax.engine.plan import make_plan
 from infernix_jax.loader import LoadedModel
@@ -104,12 +105,12 @@ def test_snapshots_at_block_boundaries_hold_the_prefix_state(hybrid, prompts):
     prompt = prompts[4]                                                       # 150 tokens
     eng = Engine(hybrid, max_num_seqs=2, max_num_batched_tokens=100, decode_steps=1, state_snapshots=4)
     eng.generate([Request(prompt, greedy(2))])
-    assert eng.snapshots.interval == 64 and len(eng.snapshots) == 2           # after 64 and 128 tokens
+    # after 64 and 128 tokens, and where the request ended (150 prompt + 1 output token computed)
+    assert eng.snapshots.interval == 64 and len(eng.snapshots) == 3
     bs = eng.bm.block_size
-    key = None
-    for j in range(128 // bs):                                                # the chained hash of block 8
-        from infernix_jax.engine.block_manager import chain_hash
-        key = chain_hash(key, tuple(prompt[j * bs:(j + 1) * bs]))
+    key = eng.bm.root
+    for j in range(128 // bs):                                                # the key of block 8's prefix
+        key = chain_key(key, prompt[j * bs:(j + 1) * bs])
     snap = eng.snapshots.get(key)
     assert snap is not None and snap.num_tokens == 128
     _, cache = jax.jit(forward, static_argnames="cfg")(hybrid.params, cfg, jnp.asarray([prompt[:128]]),

@@ -3,6 +3,7 @@ One thread owns the device: `start()` runs the loop there, `submit()` and `Reque
 safe from any thread, and events reach requests through their on_event callbacks."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -13,11 +14,15 @@ import jax
 import numpy as np
 
 from ..loader import LoadedModel
-from .block_manager import BlockManager
+from .block_manager import BlockManager, root_key
+from .host_tier import GiB, HostTier
 from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan
 from .request import Event, Request, Result, SamplingParams
 from .runner import Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
+from . import cache_file
+from .prefix_cache import PrefixCache
+from .ssd_tier import SSDTier
 from .scheduler import Scheduler
 from .snapshots import SnapshotStore
 from .sequence import Sequence, Status
@@ -51,7 +56,9 @@ class Engine:
     def __init__(self, model: LoadedModel, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  kv_cache_gib: float | None = None, memory_fraction: float = 0.9, block_size: int = 16, max_num_batched_tokens: int = 512,
                  chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None,
-                 state_snapshots: int = 0):
+                 state_snapshots: int | None = None, prefix_cache: bool = True, prefix_cache_ram_gib: float = 0.0,
+                 ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
+                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None):
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer
@@ -62,7 +69,12 @@ class Engine:
                                           max_num_seqs=max_num_seqs, block_size=block_size,
                                           kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
                                           max_num_batched_tokens=max_num_batched_tokens)
-        self.bm = BlockManager(self.plan.num_blocks, block_size)
+        # Prefix keys start from a root that names what the blocks' contents depend on.
+        dtype_name = np.dtype(model.dtype).name
+        self.fingerprint = cache_file.fingerprint(f"{model.name}|{model.cfg}", dtype_name, dtype_name, block_size,
+                                                  jax.devices()[0].device_kind)
+        self.bm = BlockManager(self.plan.num_blocks, block_size, root=root_key(json.dumps(self.fingerprint)),
+                               cache=prefix_cache)
         steps = decode_steps if decode_steps is not None else (8 if on_gpu else 4)
         # Without chunking a whole prompt must fit in one step's budget.
         budget = max(max_num_batched_tokens, max_num_seqs, 0 if chunked_prefill else self.max_context)
@@ -71,12 +83,21 @@ class Engine:
         # capped (the linear layers pad each of them to the step's token count).
         self.max_prefill_rows = HYBRID_PREFILL_ROWS if hybrid else None
         # Hybrids with state_snapshots > 0: prefill chunks end on multiples of the snapshot interval
-        # (whole blocks, whole GDN chunks), where the state is copied to host memory (see SnapshotStore).
+        # (whole blocks, whole GDN chunks), where the state is copied to host memory (see SnapshotStore);
+        # so does a sequence that ends. The prefix cache resumes a hybrid only from a snapshot.
+        if state_snapshots is None:
+            state_snapshots = 16 if prefix_cache else 0
         self.snapshots = SnapshotStore(state_snapshots, math.lcm(block_size, 64)) \
             if hybrid and state_snapshots > 0 else None
+        self.cache_file = None
+        self.cache = self._prefix_cache(prefix_cache, prefix_cache_ram_gib, ram_resize, ssd_context_gib,
+                                        ssd_context_dir, ssd_gib_per_hour, prefix_cache_file)
         self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps,
                                    state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows,
-                                   align=self.snapshots.interval if self.snapshots is not None else 0)
+                                   align=self.snapshots.interval if self.snapshots is not None else 0,
+                                   cache=self.cache)
+        if self.snapshots is not None:
+            self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
         self.runner = Runner(model, self.plan.num_blocks, block_size,
                              attn_impl or ("pallas" if on_gpu else "reference"), state_slots=max_num_seqs)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
@@ -86,6 +107,51 @@ class Engine:
         self._inbox: queue.Queue[Request | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    def _prefix_cache(self, on: bool, ram_gib: float, ram_resize: str, ssd_gib: float, ssd_dir: str | None,
+                      ssd_per_hour: float, path: str | None) -> PrefixCache | None:
+        if ram_gib < 0 or ssd_gib < 0:
+            raise ValueError("--prefix-cache-ram-gib and --ssd-context-gib must be >= 0")
+        if not on:
+            return None
+        if ssd_gib > 0 and not ssd_dir:
+            raise ValueError("--ssd-context-gib needs --ssd-context-dir DIR")
+        if (ssd_gib > 0 or path) and ram_gib == 0:
+            ram_gib = 1.0          # the SSD tier and the cache file work through the RAM tier
+            log.info("prefix cache: a 1 GiB RAM tier for the SSD tier / cache file")
+        host = HostTier(int(ram_gib * GiB), ram_resize) if ram_gib > 0 else None
+        cfg, bs = self.cfg, self.bm.block_size
+        ssd = None
+        if ssd_gib > 0:
+            from ..models.paged import num_attention_layers
+            shape = (num_attention_layers(cfg), cfg.num_kv_heads, bs, cfg.head_dim)
+            ssd = SSDTier(ssd_dir, int(ssd_gib * GiB), ssd_per_hour, block_shape=shape, dtype=self.model.dtype)
+        cache = PrefixCache(self.bm, host, self.snapshots, self.hybrid,
+                            block_bytes=self.plan.kv_bytes_per_token * bs, ssd=ssd)
+        self.cache_file = path
+        if path:
+            n = cache.load(path, self.fingerprint, self.model.dtype)
+            if n:
+                log.info("prefix cache: %d blocks loaded from %s", n, path)
+        return cache
+
+    def close(self) -> None:
+        """Save the prefix cache (with --prefix-cache-file) and stop the SSD writer. Idempotent."""
+        cache, path = self.cache, self.cache_file
+        self.cache_file = None
+        if cache is None:
+            return
+        if path:
+            try:
+                n = cache.save(path, self.fingerprint, self.runner.kv,
+                               cache.host.capacity if cache.host is not None else GiB)
+                log.info("prefix cache: saved to %s (%.1f MiB)", path, n / 2**20)
+            except OSError as e:
+                log.error("prefix cache: could not save %s: %s", path, e)
+        if cache.ssd is not None:
+            cache.ssd.flush()
+            cache.ssd.close()
+            cache.ssd = cache.host.on_drop = None
 
     def warmup(self) -> int:
         """Compile all step shapes now (slow on the CPU for big models; cheap insurance on GPUs)."""
@@ -117,6 +183,8 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> None:
+        if self.cache is not None and self.cache.host is not None:
+            self.cache.host.check_memory()       # at most once a second
         self._drop_cancelled()
         plan, k = self.scheduler.schedule()
         if not plan:
@@ -126,6 +194,8 @@ class Engine:
                 self._emit(seq, Event("error", message="the request does not fit in the KV pool"))
                 self._finish(seq, "abort")
             return
+        if self.cache is not None:
+            self.runner.kv = self.cache.apply(self.runner.kv)
         outs = self.runner.run(plan, k)
         self._postprocess(plan, k, outs)
 
@@ -146,16 +216,19 @@ class Engine:
             for j in range(len(out.ids)):
                 if k > 1:
                     seq.num_computed += 1
+                # Ending here drops the rest of the dispatch: KV slots are simply overwritten, but a
+                # hybrid's recurrent state has absorbed the dropped tokens (no snapshot of it then).
+                seq.state_dirty = j < len(out.ids) - 1
                 if self._accept(seq, out, j):
-                    # the loop guard injected </think>: the rest of the dispatch is dropped. KV slots
-                    # are simply overwritten, but a hybrid's recurrent state has absorbed the dropped
-                    # tokens and cannot be rewound: recompute the sequence (rare).
-                    if self.hybrid and j < len(out.ids) - 1:
+                    # the loop guard injected </think>: a hybrid's state cannot be rewound, so the
+                    # sequence is recomputed (rare; mostly out of the prefix cache).
+                    if self.hybrid and seq.state_dirty:
                         self.scheduler.requeue(seq)
                     break
                 if seq.status is not Status.RUNNING:
                     break
             if seq.status is Status.RUNNING:
+                seq.state_dirty = False
                 self.bm.seal_full_blocks(seq)
         if self.snapshots is not None:
             for seq, n in plan:      # prefill chunks (a 1-token one may end on a boundary too)
@@ -222,7 +295,8 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self._emit(seq, Event("done", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
-                              completion_tokens=len(seq.out_ids), stop_sequence=seq.tracker.matched))
+                              completion_tokens=len(seq.out_ids), stop_sequence=seq.tracker.matched,
+                              cached_tokens=seq.num_cached))
 
     # ---- synchronous API (scripts, tests) ------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Result]:
@@ -231,7 +305,8 @@ class Engine:
             self.step()
         return [Result(text="".join(s.text_parts), token_ids=s.out_ids, finish_reason=s.finish_reason or "abort",
                        prompt_tokens=len(s.prompt_ids), completion_tokens=len(s.out_ids),
-                       logprobs=s.out_logprobs if s.params.logprobs else None) for s in seqs]
+                       logprobs=s.out_logprobs if s.params.logprobs else None, cached_tokens=s.num_cached)
+                for s in seqs]
 
     # ---- device thread (server) ----------------------------------------------------------------
     def start(self, warmup: bool = True) -> None:
@@ -247,6 +322,7 @@ class Engine:
         if self._thread:
             self._inbox.put(None)
             self._thread.join(timeout=60)
+        self.close()
 
     def _take_inbox(self, block: bool) -> None:
         while True:
@@ -276,7 +352,10 @@ class Engine:
                 for seq in [*self.scheduler.running]:
                     if seq.req.on_event:
                         seq.req.on_event(Event("error", message=f"internal error: {type(e).__name__}: {e}"))
+                    seq.state_dirty = True
                     self.scheduler.remove(seq)
                 self.runner.reset_kv()  # a failed dispatch may have consumed the donated pool
+                if self.cache is not None:
+                    self.cache.reset()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(seq, "abort")

@@ -68,6 +68,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     stop_sequence: str | None = None  # done: the stop string that ended the output, if one did
+    cached_tokens: int = 0            # done: prompt tokens taken from the prefix cache
     message: str = ""
 
 
@@ -91,3 +92,4 @@ class Result:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list | None = None
+    cached_tokens: int = 0          # prompt tokens taken from the prefix cache

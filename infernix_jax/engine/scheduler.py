@@ -4,7 +4,11 @@ Running sequences go first (decodes and unfinished prefill chunks, oldest first)
 are admitted FIFO while the token budget, the sequence limit and the free blocks allow. With chunked
 prefill a long prompt is fed in budget-sized pieces, so it never stalls running decodes. When the
 pool runs out, the youngest running sequence is preempted: its blocks are freed and it is recomputed
-later (its prompt and outputs so far are simply prefilled again).
+later (its prompt and outputs so far are prefilled again, mostly out of the prefix cache: its
+blocks stay cached when it is freed).
+
+With a prefix cache, a sequence admitted with no blocks first takes over the longest cached prefix
+of its tokens (prefix_cache.lookup), so only the rest is fed.
 
 Hybrid models (state_slots > 0) also give each running sequence a slot of the state pool, cap the
 rows that feed several tokens in one step (max_prefill_rows: their padded layout is sized by it),
@@ -21,8 +25,10 @@ from .sequence import Sequence, Status
 class Scheduler:
     def __init__(self, bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True, decode_steps: int = 1, state_slots: int = 0,
-                 max_prefill_rows: int | None = None, align: int = 0):
+                 max_prefill_rows: int | None = None, align: int = 0, cache=None):
         self.bm = bm
+        self.cache = cache                    # prefix_cache.PrefixCache or None
+        self.on_release = None                # callback(seq) before a sequence's blocks and slot are freed
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.chunked = chunked_prefill
@@ -52,6 +58,8 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
+        if self.on_release is not None and seq.block_ids:
+            self.on_release(seq)
         self.bm.release(seq)
         if seq.state_slot is not None:
             self.free_slots.append(seq.state_slot)
@@ -70,18 +78,52 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_requeued += 1
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of seq to feed this step under the budget (0: none, it waits)."""
-        n = min(seq.num_pending, budget)
-        if n < seq.num_pending and not self.chunked:
+    def _chunk(self, seq: Sequence, budget: int, done: int | None = None) -> int:
+        """Tokens of seq to feed this step under the budget (0: none, it waits), when `done` of its
+        tokens are computed (default: num_computed)."""
+        done = seq.num_computed if done is None else done
+        pending = len(seq) - done
+        n = min(pending, budget)
+        if n < pending and not self.chunked:
             return 0
-        if self.align and seq.num_computed + n < len(seq.prompt_ids) and n < seq.num_pending:
-            end = (seq.num_computed + n) // self.align * self.align      # stop on a snapshot boundary
-            n = end - seq.num_computed if end > seq.num_computed else n
+        if self.align and done + n < len(seq.prompt_ids) and n < pending:
+            end = (done + n) // self.align * self.align      # stop on a snapshot boundary
+            n = end - done if end > done else n
         elif self.align and self.chunked and n > 1:     # the prompt's last boundary inside this chunk: stop there
             end = len(seq.prompt_ids) // self.align * self.align
-            if seq.num_computed < end < seq.num_computed + n:
-                n = end - seq.num_computed
+            if done < end < done + n:
+                n = end - done
+        return n
+
+    def _fits(self, seq: Sequence, plan, budget: int, hit) -> int:
+        """Tokens to feed seq this step if it starts now with this cache hit (0: it cannot)."""
+        done = hit.tokens if hit else seq.num_computed
+        n = self._chunk(seq, budget, done)
+        if n == 0 or self._prefill_rows_full(plan, n):
+            return 0
+        have = hit.device_blocks if hit else len(seq.block_ids)
+        if self.bm.blocks_for(done + n) - have > self.bm.num_free - (hit.pinned_free if hit else 0):
+            return 0
+        if self.state_slots and not self.free_slots:
+            return 0                       # cannot happen while slots == max_num_seqs; never run slotless
+        return n
+
+    def _admit(self, seq: Sequence, plan, budget: int) -> int:
+        """Tokens to feed a waiting sequence if it can start now (taking its cached prefix), else 0."""
+        hit = self.cache.lookup(seq) if self.cache is not None and not seq.block_ids else None
+        n = self._fits(seq, plan, budget, hit)
+        if n and hit is not None and hit.on_disk:           # read the SSD only when about to admit
+            hit = self.cache.fetch(hit)
+            n = self._fits(seq, plan, budget, hit)
+        if n == 0:
+            return 0
+        if self.cache is not None and not seq.block_ids:
+            self.cache.count_query(seq)
+            if not seq.out_ids:
+                seq.num_cached = 0
+            if hit:
+                self.cache.commit(seq, hit)
+        seq.state_dirty = False
         return n
 
     def _prefill_rows_full(self, plan, n: int) -> bool:
@@ -112,11 +154,9 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = self._chunk(seq, budget)
-            if n == 0 or self._prefill_rows_full(plan, n) or not self.bm.can_grow(seq, seq.num_computed + n):
+            n = self._admit(seq, plan, budget)
+            if n == 0:
                 break
-            if self.state_slots and not self.free_slots:
-                break                      # cannot happen while slots == max_num_seqs; never run slotless
             self.waiting.popleft()
             if self.state_slots:
                 seq.state_slot = self.free_slots.pop()

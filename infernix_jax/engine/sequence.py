@@ -25,7 +25,10 @@ class Sequence:
         self.stop_ids = stop_ids
         self.status = Status.WAITING
         self.block_ids: list[int] = []
-        self.num_sealed = 0                   # leading blocks whose chained hash is recorded
+        self.block_keys: list[int] = []       # prefix keys of the leading full blocks (block_manager)
+        self.num_sealed = 0                   # leading blocks whose key is recorded
+        self.num_cached = 0                   # tokens taken from the prefix cache at the last admission
+        self.state_dirty = False              # hybrids: the state slot holds more than num_computed tokens
         self.num_computed = 0                 # tokens whose K/V are in the cache
         self.state_slot: int | None = None    # hybrids: the sequence's slot in the state pool
         self.finish_reason: str | None = None

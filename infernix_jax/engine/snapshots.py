@@ -4,8 +4,10 @@ A Gated DeltaNet layer keeps one state per sequence, overwritten as the sequence
 shared prefix cannot be resumed from KV blocks alone: it also needs the state as it was right
 after that prefix. With snapshots on, prefill chunks end on multiples of `interval` tokens (whole
 KV blocks and whole GDN chunks), and after such a chunk the sequence's state is copied to host
-memory, keyed by the chained hash of the prefix's last block: the key under which the prefix cache
-finds the KV blocks of the same prefix, so a cached prefix is resumable where both exist."""
+memory, keyed by the prefix's key (block_manager.chain_key): the key under which the prefix cache
+finds the KV blocks of the same prefix, so a cached prefix is resumable where both exist. A
+sequence that ends (or is preempted) leaves a snapshot of where it got to as well, beside its
+partly filled last block: the next turn of the conversation resumes there."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -22,10 +24,15 @@ class SnapshotStore:
 
     def after_chunk(self, seq, kv, bm) -> None:
         """Called after a step fed seq a chunk (its blocks sealed): snapshot on a boundary."""
+        if seq.num_computed % self.interval == 0:
+            self.capture(seq, kv, bm)
+
+    def capture(self, seq, kv, bm) -> None:
+        """Snapshot seq's state (which holds its num_computed tokens) under its prefix key."""
         n = seq.num_computed
-        if n == 0 or n % self.interval or seq.state_slot is None:
+        if n == 0 or seq.state_slot is None or seq.state_dirty or self.capacity <= 0:
             return
-        key = bm.block_hash.get(seq.block_ids[n // bm.block_size - 1])
+        key = bm.tail_key(seq)
         if key is None:
             return
         if key in self._snaps:
@@ -35,6 +42,15 @@ class SnapshotStore:
         self.taken += 1
         while len(self._snaps) > self.capacity:
             self._snaps.popitem(last=False)
+
+    def put(self, key: int, snap: StateSnapshot) -> None:
+        self._snaps[key] = snap
+        self._snaps.move_to_end(key)
+        while len(self._snaps) > self.capacity:
+            self._snaps.popitem(last=False)
+
+    def items(self) -> list:
+        return list(self._snaps.items())
 
     def get(self, block_hash: int) -> StateSnapshot | None:
         snap = self._snaps.get(block_hash)

@@ -1,0 +1,281 @@
+"""The prefix cache: greedy output is token-identical whether a prefix was computed, shared from
+cached device blocks (whole or copy-on-write), or brought back from the RAM tier; a continuing
+conversation resumes from the end of the previous reply; hybrids resume from state snapshots;
+the RAM tier gives memory back under pressure and takes it again."""
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from infernix_jax.engine import Engine, Request, SamplingParams
+from infernix_jax.engine.block_manager import BlockManager
+from infernix_jax.engine.host_tier import GiB, HostTier
+from infernix_jax.engine.sequence import Sequence
+from test_engine import tiny  # noqa: F401  (fixture)
+from test_engine_hybrid import hybrid  # noqa: F401  (fixture)
+
+N_NEW = 8
+
+
+def greedy(n=N_NEW):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    rng = np.random.default_rng(3)
+    system = list(map(int, rng.integers(10, 40000, 70)))           # shared by every prompt: 4 blocks + 6
+    tails = [list(map(int, rng.integers(10, 40000, n))) for n in (5, 23, 40, 1)]
+    return system, [system + t for t in tails]
+
+
+def run(eng, prompts, n=N_NEW):
+    return eng.generate([Request(p, greedy(n)) for p in prompts])
+
+
+def uncached(model, prompts, n=N_NEW):
+    eng = Engine(model, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=1, prefix_cache=False)
+    return [r.token_ids for r in run(eng, prompts, n)]
+
+
+def test_shared_prefix_reused_from_device_blocks(tiny, texts):
+    system, prompts = texts
+    want = uncached(tiny, prompts)
+    eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=2)
+    first = run(eng, prompts[:1])[0]
+    assert first.cached_tokens == 0 and first.token_ids == want[0]
+    rest = run(eng, prompts[1:])                  # concurrently, all sharing the system prompt's blocks
+    assert [r.token_ids for r in rest] == want[1:]
+    # 70 shared tokens: 4 whole blocks shared, 6 tokens of the fifth copied (copy-on-write)
+    assert [r.cached_tokens for r in rest] == [70, 70, 70]
+    assert eng.cache.stats["device"] >= 3 * 70
+    assert eng.bm.num_free == eng.bm.num_blocks and all(r == 0 for r in eng.bm.ref)
+
+
+def test_resent_prompt_computes_only_its_last_token(tiny, texts):
+    _, prompts = texts
+    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=2)
+    a = run(eng, prompts[2:3])[0]
+    b = run(eng, prompts[2:3])[0]
+    assert b.token_ids == a.token_ids == uncached(tiny, prompts[2:3])[0]
+    assert b.cached_tokens == len(prompts[2]) - 1
+
+
+@pytest.mark.parametrize("n", [13, 20])     # the reply ends with its last dispatch / inside it, on a new block
+def test_next_turn_resumes_from_the_end_of_the_reply(tiny, texts, n):
+    _, prompts = texts
+    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=3)
+    turn1 = run(eng, prompts[1:2], n=n)[0]
+    follow = prompts[1] + turn1.token_ids + [11, 12, 13, 14, 15]
+    turn2 = run(eng, [follow])[0]
+    # everything computed before is reused: the prompt and the reply but its last token (never fed)
+    assert turn2.cached_tokens == len(prompts[1]) + n - 1
+    assert turn2.token_ids == uncached(tiny, [follow])[0]
+
+
+def test_evicted_blocks_come_back_from_the_ram_tier(tiny, texts):
+    system, prompts = texts
+    per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
+    eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB)
+    assert eng.bm.num_blocks == 10
+    want = uncached(tiny, prompts[:2])
+    assert run(eng, prompts[:1])[0].token_ids == want[0]
+    rng = np.random.default_rng(9)
+    for _ in range(3):                            # unrelated prompts push the system prompt off the device
+        run(eng, [list(map(int, rng.integers(10, 40000, 100)))], n=2)
+    assert not any(m.tokens == tuple(system[:16]) for m in eng.bm.meta.values())
+    assert eng.cache.host.captured > 0
+    got = run(eng, prompts[1:2])[0]
+    assert got.token_ids == want[1]
+    assert got.cached_tokens == 70 and eng.cache.stats["ram"] >= 70
+
+
+def test_eviction_takes_leaves_first():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    evicted = []
+    bm.on_evict = lambda b, meta: evicted.append(meta.tokens)
+    s = Sequence(Request([1, 2, 3, 4, 5, 6, 7], greedy()), None, set())
+    bm.grow(s, 7)
+    s.num_computed = 7
+    bm.seal_full_blocks(s)
+    bm.release(s)                                 # 3 full blocks and the partial [7] stay cached
+    assert bm.num_cached == 4 and len(bm.free) == 2
+    for _ in range(4):
+        bm.take()
+    assert evicted == [(7,), (5, 6)]                 # the last blocks first
+    assert bm.num_cached == 2
+
+
+def test_ram_tier_gives_memory_back_and_takes_it_again(caplog):
+    avail = [8 * GiB]
+    tier = HostTier(4 * GiB, "auto", reserve_bytes=2 * GiB, available=lambda: avail[0])
+
+    class M:
+        def __init__(self, key):
+            self.key, self.parent, self.tokens = key, 0, (key,)
+    block = GiB // 4
+    tier.add([M(i) for i in range(12)], np.zeros((1, 1, 12, 1, 1)), np.zeros((1, 1, 12, 1, 1)), block)
+    assert tier.used == 3 * GiB and tier.limit == 4 * GiB
+    with caplog.at_level(logging.INFO, logger="infernix.cache"):
+        avail[0] = int(0.5 * GiB)                  # pressure: 1.5 GiB short of the reserve
+        tier.check_memory(now=10.0)
+        assert tier.limit == int(1.5 * GiB) and tier.used <= tier.limit
+        assert list(tier.entries)[0] == 6         # the oldest went first
+        tier.check_memory(now=10.5)               # at most once a second
+        assert tier.limit == int(1.5 * GiB)
+        avail[0] = 16 * GiB                       # memory is back: grow to the configured size
+        tier.check_memory(now=12.0)
+        assert tier.limit == 4 * GiB
+    assert "shrinking" in caplog.text and "growing" in caplog.text
+    tier.add([M(100 + i) for i in range(4)], np.ones((1, 1, 4, 1, 1)), np.ones((1, 1, 4, 1, 1)), block)
+    assert tier.used == tier.limit or tier.used == (6 + 4) * block
+    assert HostTier(GiB, "off").resize == "off"
+    with pytest.raises(ValueError, match="ram-resize"):
+        HostTier(GiB, "sometimes")
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_hybrid_next_turn_resumes_from_a_state_snapshot(hybrid, decode_steps):
+    rng = np.random.default_rng(5)
+    prompt = list(map(int, rng.integers(10, 40000, 150)))
+    eng = Engine(hybrid, max_num_seqs=2, max_num_batched_tokens=48, decode_steps=decode_steps)
+    turn1 = run(eng, [prompt], n=9)[0]
+    follow = prompt + turn1.token_ids + [21, 22, 23]
+    turn2 = run(eng, [follow])[0]
+    if decode_steps == 1:
+        assert turn2.cached_tokens == 150 + 9 - 1    # the snapshot taken where turn 1 ended
+    else:
+        # turn 1 ended inside a 3-step dispatch: its state had absorbed tokens past the end, so no
+        # snapshot there; the deepest one is the prompt's chunk boundary at 128
+        assert turn2.cached_tokens == 128
+    other = prompt[:140] + [7, 7, 7]                  # diverges inside block 9: the 128-token snapshot
+    third = run(eng, [other])[0]
+    assert third.cached_tokens == 128
+    assert [turn2.token_ids, third.token_ids] == uncached(hybrid, [follow, other])
+    assert eng.bm.num_free == eng.bm.num_blocks
+
+
+def test_server_reports_cached_prompt_tokens(server_url):
+    """The second turn of a conversation over the real server: the SDKs see the cached tokens."""
+    import anthropic
+    import httpx
+    import openai
+    oa = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    msgs = [{"role": "system", "content": "You are a terse assistant who answers about geography. " * 6},
+            {"role": "user", "content": "Name a river in Spain."}]
+    first = oa.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And one in Portugal?"}]
+    second = oa.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=8)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 16 <= cached < second.usage.prompt_tokens
+    claude = anthropic.Anthropic(base_url=server_url, api_key="unused", max_retries=0, timeout=300)
+    m = claude.messages.create(model="m", max_tokens=4, system=msgs[0]["content"], messages=msgs[1:2],
+                               extra_body={"temperature": 0})
+    assert m.usage.cache_read_input_tokens >= first.usage.prompt_tokens - 16
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == first.usage.prompt_tokens
+    metrics = httpx.get(server_url + "/metrics", timeout=30).text
+    hits = float(re.search(r"^infernix_prefix_cache_hit_tokens_total (\S+)$", metrics, re.M).group(1))
+    assert hits >= cached + m.usage.cache_read_input_tokens
+
+
+# ---- SSD tier and the cache file ---------------------------------------------------------------
+class Blk:
+    def __init__(self, key, parent=0, tokens=(1, 2), seed=0):
+        rng = np.random.default_rng(seed)
+        self.key, self.parent, self.tokens = key, parent, tokens
+        self.k, self.v = rng.standard_normal((2, 3, 4, 8)).astype(np.float32), rng.standard_normal((2, 3, 4, 8)).astype(np.float32)
+
+    def arrays(self):
+        return self.k, self.v
+
+
+def ssd_tier(tmp_path, gib=1.0, per_hour=8.0, clock=None):
+    from infernix_jax.engine.ssd_tier import SSDTier
+    kw = {"clock": clock} if clock else {}
+    return SSDTier(str(tmp_path), int(gib * GiB), per_hour, block_shape=(2, 3, 4, 8), dtype=np.float32, **kw)
+
+
+def test_ssd_records_round_trip_and_a_corrupt_one_is_a_miss(tmp_path):
+    ssd = ssd_tier(tmp_path)
+    blocks = [Blk(i + 1, seed=i) for i in range(5)]
+    for b in blocks:
+        ssd.put(b)
+    got = ssd.get(3)                               # races its write: waits for it
+    np.testing.assert_array_equal(got.arrays()[0], blocks[2].k)
+    ssd.flush()
+    for b in blocks:
+        k, v = ssd.get(b.key).arrays()
+        np.testing.assert_array_equal(k, b.k)
+        np.testing.assert_array_equal(v, b.v)
+    off, n = ssd.index[4]
+    with open(ssd.path, "r+b") as f:               # flip one byte inside record 4's payload
+        f.seek(off + n // 2)
+        byte = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert ssd.get(4) is None and ssd.corrupt == 1 and 4 not in ssd
+    assert ssd.get(5) is not None                  # its neighbours are fine
+    ssd.close()
+
+
+def test_ssd_write_budget_holds_and_the_ring_wraps(tmp_path):
+    now = [0.0]
+    rec = len(ssd_tier(tmp_path / "probe")._record(Blk(1)))
+    # 8.5 records' worth of budget per 5 minutes (the bucket), a ring of 6.5 records (same-size records)
+    per_hour = 8.5 * rec * 12 / GiB
+    ssd = ssd_tier(tmp_path, gib=6.5 * rec / GiB, per_hour=per_hour, clock=lambda: now[0])
+    for i in range(12):
+        ssd.put(Blk(100 + i))
+    ssd.flush()
+    assert ssd.written_bytes <= 8 * rec and ssd.dropped == 4
+    assert len(ssd.index) == 6                     # the ring holds 6: the first two were overwritten
+    assert 100 not in ssd and 101 not in ssd and ssd.get(107) is not None
+    now[0] += 300                                  # five minutes later the budget is back
+    ssd.put(Blk(200))
+    ssd.flush()
+    assert 200 in ssd and ssd.get(200) is not None
+    ssd.close()
+
+
+def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path):
+    system, prompts = texts
+    per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
+    eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB,
+                 ssd_context_gib=0.01, ssd_context_dir=str(tmp_path))
+    want = uncached(tiny, prompts[:2])
+    assert run(eng, prompts[:1])[0].token_ids == want[0]
+    rng = np.random.default_rng(9)
+    for _ in range(3):                             # device -> RAM (2 blocks) -> SSD
+        run(eng, [list(map(int, rng.integers(10, 40000, 100)))], n=2)
+    eng.cache.ssd.flush()
+    assert eng.cache.ssd.written_bytes > 0
+    got = run(eng, prompts[1:2])[0]
+    assert got.token_ids == want[1]
+    assert got.cached_tokens == 70 and eng.cache.stats["ssd"] > 0
+    eng.close()
+
+
+def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog):
+    _, prompts = texts
+    path = str(tmp_path / "cache.npz")
+    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=2, prefix_cache_file=path)
+    first = run(eng, prompts[2:3])[0]
+    eng.close()
+    again = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=2, prefix_cache_file=path)
+    assert len(again.cache.host) > 0
+    got = run(again, prompts[2:3])[0]
+    assert got.token_ids == first.token_ids and got.cached_tokens == len(prompts[2]) - 1
+    again.close()
+    with caplog.at_level(logging.WARNING, logger="infernix.cache"):
+        other = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, block_size=8, prefix_cache_file=path)
+        assert len(other.cache.host) == 0 and "ignored" in caplog.text          # stale: another block size
+        with open(path, "r+b") as f:
+            f.truncate(100)
+        caplog.clear()
+        broken = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, prefix_cache_file=path)
+        assert len(broken.cache.host) == 0 and "cannot be read" in caplog.text
+    assert run(broken, prompts[2:3])[0].token_ids == first.token_ids
