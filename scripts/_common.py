@@ -51,6 +51,9 @@ def add_engine_args(p):
                    help="decode steps per dispatch when no request needs the host (default 8 on GPU, 4 on CPU)")
     g.add_argument("--attn-impl", choices=["reference", "pallas", "pallas_interpret"], default=None,
                    help="attention implementation (default: pallas on GPU, reference jnp on CPU)")
+    g.add_argument("--fair-turn-s", type=float, default=1.0, metavar="S",
+                   help="under KV pressure, running requests take turns of about S seconds of output so that "
+                        "waiting ones are served too (0: the oldest runs to the end; default %(default)s)")
     g = p.add_argument_group("prefix cache")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not keep computed prefixes for reuse (every prompt is prefilled in full)")
@@ -80,6 +83,8 @@ def engine_kwargs(a) -> dict:
         raise ValueError("--kv-cache-gib must be > 0")
     if not 0 < a.memory_fraction <= 1:
         raise ValueError("--memory-fraction must be in (0, 1]")
+    if a.fair_turn_s < 0:
+        raise ValueError("--fair-turn-s must be >= 0")
     if a.prefix_cache_ram_gib < 0:
         raise ValueError("--prefix-cache-ram-gib must be >= 0")
     if a.state_snapshots is not None and a.state_snapshots < 0:
@@ -88,7 +93,7 @@ def engine_kwargs(a) -> dict:
                 prefix_cache=not a.no_prefix_cache, prefix_cache_ram_gib=a.prefix_cache_ram_gib,
                 ram_resize=a.ram_resize, state_snapshots=a.state_snapshots, ssd_context_gib=a.ssd_context_gib,
                 ssd_context_dir=a.ssd_context_dir, ssd_gib_per_hour=a.ssd_context_gib_per_hour,
-                prefix_cache_file=a.prefix_cache_file,
+                prefix_cache_file=a.prefix_cache_file, fair_turn_s=a.fair_turn_s,
                 memory_fraction=a.memory_fraction,
                 block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                 chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl)

@@ -75,6 +75,7 @@ class PrefixBench:
     def case(self, name: str, make, push: str | None = None) -> None:
         """Run a case twice (the first compiles); keep the second."""
         for attempt in range(2):
+            shutil.rmtree(self.dir / "case", ignore_errors=True)      # one case's files on disk at a time
             eng = make(attempt)
             conv = self.conversation(self.T)
             t_cold, _ = self.ttft(eng, conv)
@@ -98,24 +99,24 @@ class PrefixBench:
     def run(self) -> list[dict]:
         T, bt = self.T, self.per_tok
         ram = 2.5 * T * bt / GiB
-        ssd_dir = str(self.dir / "ssd")
+        case = str(self.dir / "case")
         self.case("a_cold", lambda i: self.engine(prefix_cache=False))
         self.case("b_device", lambda i: self.engine())
         self.case("c_ram", lambda i: self.engine(prefix_cache_ram_gib=ram), push="evict")
         self.case("d_ssd", lambda i: self.engine(prefix_cache_ram_gib=4 * 16 * bt / GiB,
-                                                 ssd_context_gib=4 * T * bt / GiB, ssd_context_dir=f"{ssd_dir}{i}",
+                                                 ssd_context_gib=1.5 * T * bt / GiB, ssd_context_dir=case,
                                                  ssd_gib_per_hour=1000.0), push="ssd")
-        cache = str(self.dir / "cache.npz")
-        self.case("e_restart", lambda i: self.engine(prefix_cache_ram_gib=ram, prefix_cache_file=f"{cache}{i}"),
+        self.case("e_restart", lambda i: self.engine(prefix_cache_ram_gib=ram, prefix_cache_file=case + "/cache.npz"),
                   push="restart")
-        self.replay(ssd_dir + "-replay")
+        shutil.rmtree(case, ignore_errors=True)
+        self.replay(case)
         return self.rows
 
     def replay(self, ssd_dir: str, turns: int = 8) -> None:
         """An agent session: each turn resends the context, plus the reply and a new user turn."""
         from infernix_jax.engine import Request, SamplingParams
         T, bt = self.T, self.per_tok
-        eng = self.engine(prefix_cache_ram_gib=64 * 16 * bt / GiB, ssd_context_gib=8 * T * bt / GiB,
+        eng = self.engine(prefix_cache_ram_gib=64 * 16 * bt / GiB, ssd_context_gib=2 * T * bt / GiB,
                           ssd_context_dir=ssd_dir)
         ctx = self.conversation(T // 2)
         t = time.perf_counter()

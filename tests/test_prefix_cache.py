@@ -279,3 +279,35 @@ def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog):
         broken = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, prefix_cache_file=path)
         assert len(broken.cache.host) == 0 and "cannot be read" in caplog.text
     assert run(broken, prompts[2:3])[0].token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("turn", [0.0, 1.0])
+def test_requests_take_turns_under_kv_pressure(tiny, turn):
+    """Four requests that need 10 blocks each in a pool of 20: with fair turns every request makes
+    progress within a bounded number of steps; without, the last ones wait for the first to end.
+    The clock is the engine's step count (a turn: 4 steps of output, 8 of recovery)."""
+    rng = np.random.default_rng(11)
+    prompts = [list(map(int, rng.integers(10, 40000, 60))) for _ in range(4)]
+    per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
+    eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=2, max_model_len=176,
+                 kv_cache_gib=20 * per_block / GiB, fair_turn_s=turn, fair_recovery_s=2 * turn)
+    steps = [0]
+    eng.scheduler.clock = lambda: steps[0] / 4
+    last = [0] * 4
+    silent = [0] * 4
+    seqs = [eng.add(Request(p, greedy(100))) for p in prompts]
+    while any(s.finish_reason is None for s in seqs):
+        before = [len(s.out_ids) for s in seqs]
+        eng.step()
+        steps[0] += 1
+        for i, s in enumerate(seqs):
+            if len(s.out_ids) > before[i] or s.finish_reason is not None:
+                last[i] = steps[0]
+            elif any(len(t.out_ids) > b for t, b in zip(seqs, before)):
+                silent[i] = max(silent[i], steps[0] - last[i])    # silent while another one progresses
+    assert [s.out_ids for s in seqs] == uncached(tiny, prompts, 100)
+    if turn:
+        assert eng.scheduler.num_rotations > 0 and max(silent) <= 16     # measured: 9 each
+    else:
+        assert max(silent) > 60                       # the last requests waited for the first to finish (81)
+    assert eng.bm.num_free == eng.bm.num_blocks

@@ -58,7 +58,8 @@ class Engine:
                  chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None,
                  state_snapshots: int | None = None, prefix_cache: bool = True, prefix_cache_ram_gib: float = 0.0,
                  ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
-                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None):
+                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
+                 fair_recovery_s: float = 3.0):
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer
@@ -95,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps,
                                    state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows,
                                    align=self.snapshots.interval if self.snapshots is not None else 0,
-                                   cache=self.cache)
+                                   cache=self.cache, turn_s=fair_turn_s, recovery_s=fair_recovery_s)
         if self.snapshots is not None:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
         self.runner = Runner(model, self.plan.num_blocks, block_size,

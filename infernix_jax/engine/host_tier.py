@@ -26,6 +26,9 @@ class _Batch:
     def __init__(self, k, v):
         self._dev, self._host = (k, v), None
 
+    def ready(self) -> bool:
+        return self._host is not None or all(a.is_ready() for a in self._dev)
+
     def host(self):
         if self._host is None:
             self._host = tuple(np.asarray(a) for a in self._dev)
@@ -45,7 +48,7 @@ class HostEntry:
         """k, v [L, nKV, bs, hd] of this block (waits for its copy from the device if still running)."""
         if self._k is None:
             k, v = self._batch.host()
-            self._k, self._v = k[:, :, self._col].copy(), v[:, :, self._col].copy()
+            self._k, self._v = k[:, :, self._col], v[:, :, self._col]     # views: the piece stays while used
             self._batch = None
         return self._k, self._v
 
@@ -110,11 +113,16 @@ class HostTier:
         self.used += nbytes
 
     def settle(self) -> None:
-        """Turn finished device reads into numpy (and free their device buffers)."""
+        """Turn device reads that have finished into numpy (and free their device buffers); the
+        others are left for a later call, so this never waits for the device."""
+        waiting = []
         for e in self._fresh:
-            if e.key in self.entries:
-                e.arrays()
-        self._fresh = []
+            if e._batch is not None and e.key in self.entries:
+                if e._batch.ready():
+                    e.arrays()
+                else:
+                    waiting.append(e)
+        self._fresh = waiting
 
     def _drop(self, key: int) -> None:
         e = self.entries.pop(key)

@@ -229,12 +229,14 @@ class PrefixCache:
         if host is not None:
             host.settle()
             if self._evicted:
-                k, v = kv_blocks.read_blocks(kv, [b for b, _ in self._evicted])
-                host.add([m for _, m in self._evicted], k, v, self.block_bytes)
+                pieces = kv_blocks.read_blocks(kv, [b for b, _ in self._evicted])
+                for p, (k, v) in enumerate(pieces):
+                    metas = [m for _, m in self._evicted[p * kv_blocks.CHUNK:(p + 1) * kv_blocks.CHUNK]]
+                    host.add(metas, k, v, self.block_bytes)
                 self._evicted = []
         if self._uploads:
-            ks, vs = zip(*(e.arrays() for _, e in self._uploads))
-            kv = kv_blocks.write_blocks(kv, [b for b, _ in self._uploads], np.stack(ks, 2), np.stack(vs, 2))
+            ups = self._uploads
+            kv = kv_blocks.write_blocks(kv, [b for b, _ in ups], lambda i: ups[i][1].arrays())
             self._uploads = []
         if self._copies:
             kv = kv_blocks.copy_blocks(kv, self._copies)
@@ -254,9 +256,9 @@ class PrefixCache:
         blocks, used = [], 0
         dev = [b for b, m in self.bm.meta.items() if self.host is None or m.key not in self.host]
         dev = dev[:max(0, cap_bytes // max(1, self.block_bytes))]
-        if dev:
-            k, v = (np.asarray(a) for a in kv_blocks.read_blocks(kv, dev))
-            for i, b in enumerate(dev):
+        for p, (k, v) in enumerate(kv_blocks.read_blocks(kv, dev)):
+            k, v = np.asarray(k), np.asarray(v)
+            for i, b in enumerate(dev[p * kv_blocks.CHUNK:(p + 1) * kv_blocks.CHUNK]):
                 m = self.bm.meta[b]
                 blocks.append((m.key, m.parent, m.tokens, k[:, :, i], v[:, :, i]))
                 used += self.block_bytes

@@ -10,12 +10,20 @@ blocks stay cached when it is freed).
 With a prefix cache, a sequence admitted with no blocks first takes over the longest cached prefix
 of its tokens (prefix_cache.lookup), so only the rest is fed.
 
+Fair service under KV pressure: while the head of the queue waits for KV blocks, running sequences
+get bounded turns (`turn_s` of output, or `recovery_s` to prefill or recompute before their first
+output token); when one's turn is over it goes to the back of the queue, its blocks left in the
+prefix cache, and the waiting head starts. So every request is served in rotation instead of the
+oldest taking everything, and a paused one resumes from its cached prefix, recomputing only what
+the cache lost.
+
 Hybrid models (state_slots > 0) also give each running sequence a slot of the state pool, cap the
 rows that feed several tokens in one step (max_prefill_rows: their padded layout is sized by it),
 and with `align` end every prefill chunk that stops inside the prompt on a multiple of `align`
 tokens, where the engine can snapshot the state."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from .block_manager import BlockManager
@@ -25,8 +33,13 @@ from .sequence import Sequence, Status
 class Scheduler:
     def __init__(self, bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True, decode_steps: int = 1, state_slots: int = 0,
-                 max_prefill_rows: int | None = None, align: int = 0, cache=None):
+                 max_prefill_rows: int | None = None, align: int = 0, cache=None,
+                 turn_s: float = 1.0, recovery_s: float = 3.0):
         self.bm = bm
+        self.turn_s, self.recovery_s = turn_s, recovery_s    # fair service (0: off)
+        self.clock = time.monotonic
+        self.kv_starved = False               # the queue's head waited for KV blocks at the last schedule
+        self.num_rotations = 0
         self.cache = cache                    # prefix_cache.PrefixCache or None
         self.on_release = None                # callback(seq) before a sequence's blocks and slot are freed
         self.max_num_seqs = max_num_seqs
@@ -66,17 +79,38 @@ class Scheduler:
             seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.kv_starved = True
         self.requeue(seq)
         self.num_preemptions += 1
 
-    def requeue(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and state slot and put it first in the queue: it is
-        recomputed from its prompt and outputs so far."""
+    def requeue(self, seq: Sequence, front: bool = True) -> None:
+        """Free a running sequence's blocks and state slot and put it first (or last) in the queue:
+        it is recomputed from its prompt and outputs so far (mostly out of the prefix cache)."""
         self.running.remove(seq)
         self._release(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         self.num_requeued += 1
+
+    def _rotate(self) -> None:
+        """Fair service: while the queue's head waits for KV, the running sequence whose turn has
+        lasted longest, if over, yields to it (one per step)."""
+        if not (self.turn_s and self.kv_starved and self.waiting and self.running):
+            return
+        head = self.waiting[0]
+        if self.bm.blocks_for(len(head) + 1) <= self.bm.num_free:
+            return                            # it fits now: no one needs to yield
+        now = self.clock()
+
+        def over(s):
+            return now - s.turn_out >= self.turn_s if s.turn_out is not None else now - s.turn_start >= self.recovery_s
+        done = [s for s in self.running if over(s)]
+        if done:
+            self.requeue(min(done, key=lambda s: s.turn_start), front=False)
+            self.num_rotations += 1
 
     def _chunk(self, seq: Sequence, budget: int, done: int | None = None) -> int:
         """Tokens of seq to feed this step under the budget (0: none, it waits), when `done` of its
@@ -103,6 +137,7 @@ class Scheduler:
             return 0
         have = hit.device_blocks if hit else len(seq.block_ids)
         if self.bm.blocks_for(done + n) - have > self.bm.num_free - (hit.pinned_free if hit else 0):
+            self.kv_starved = True
             return 0
         if self.state_slots and not self.free_slots:
             return 0                       # cannot happen while slots == max_num_seqs; never run slotless
@@ -124,6 +159,7 @@ class Scheduler:
             if hit:
                 self.cache.commit(seq, hit)
         seq.state_dirty = False
+        seq.turn_start, seq.turn_out = self.clock(), None
         return n
 
     def _prefill_rows_full(self, plan, n: int) -> bool:
@@ -133,6 +169,8 @@ class Scheduler:
     def schedule(self) -> tuple[list[tuple[Sequence, int]], int]:
         """Returns [(seq, tokens to feed)] and the number of decode steps to run (> 1 only when every
         scheduled sequence is decoding and nothing is waiting that could be admitted)."""
+        self._rotate()
+        self.kv_starved = False
         budget = self.budget
         plan: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
@@ -152,6 +190,8 @@ class Scheduler:
             self.bm.grow(seq, seq.num_computed + n)
             plan.append((seq, n))
             budget -= n
+            if seq.turn_out is None and seq.decoding:
+                seq.turn_out = self.clock()      # its turn of output starts
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, plan, budget)

@@ -29,6 +29,8 @@ class Sequence:
         self.num_sealed = 0                   # leading blocks whose key is recorded
         self.num_cached = 0                   # tokens taken from the prefix cache at the last admission
         self.state_dirty = False              # hybrids: the state slot holds more than num_computed tokens
+        self.turn_start = 0.0                 # fair service: when its current turn began (admission)
+        self.turn_out: float | None = None    # ... and when its first output token of the turn came
         self.num_computed = 0                 # tokens whose K/V are in the cache
         self.state_slot: int | None = None    # hybrids: the sequence's slot in the state pool
         self.finish_reason: str | None = None

@@ -1,8 +1,9 @@
 """Whole-block moves in the paged KV pool, for the prefix cache: read blocks out (to keep them in
 host memory when the device evicts them), write blocks in (bring them back), and copy one block to
-another (copy-on-write reuse of a partly matching block). Block counts are padded to powers of two
-so that a long-running server compiles a handful of shapes; padding ids point past the pool and
-are dropped on writes."""
+another (copy-on-write reuse of a partly matching block). Moves go in pieces of at most CHUNK
+blocks, each padded to a power of two, so that a long-running server compiles a handful of shapes
+and a long prefix wastes little on padding; padding ids point past the pool and are dropped on
+writes."""
 from __future__ import annotations
 
 from functools import partial
@@ -14,8 +15,16 @@ import numpy as np
 from .paged import PagedKV
 
 
+CHUNK = 256
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _pieces(n: int):
+    for lo in range(0, n, CHUNK):
+        yield lo, min(n, lo + CHUNK)
 
 
 @jax.jit
@@ -24,16 +33,18 @@ def _gather(k, v, ids):
     return jnp.stack([x[:, ids] for x in k]), jnp.stack([x[:, ids] for x in v])
 
 
-def read_blocks(kv: PagedKV, ids: list[int]):
-    """Device arrays (k, v), each [L, nKV, n_padded, bs, hd]; column i is block ids[i]. The copy to
-    the host is started here and overlaps whatever the device does next."""
-    n = _bucket(len(ids))
-    idx = np.zeros((n,), np.int32)
-    idx[:len(ids)] = ids
-    k, v = _gather(kv.k, kv.v, idx)
-    for a in (k, v):
-        a.copy_to_host_async()
-    return k, v
+def read_blocks(kv: PagedKV, ids: list[int]) -> list:
+    """[(k, v)] device arrays per piece of ids, each [L, nKV, n_padded, bs, hd]; column i of piece p
+    is block ids[p * CHUNK + i]. The copies to the host start here and overlap the device's next work."""
+    out = []
+    for lo, hi in _pieces(len(ids)):
+        idx = np.zeros((_bucket(hi - lo),), np.int32)
+        idx[:hi - lo] = ids[lo:hi]
+        k, v = _gather(kv.k, kv.v, idx)
+        for a in (k, v):
+            a.copy_to_host_async()
+        out.append((k, v))
+    return out
 
 
 @partial(jax.jit, donate_argnames=("kv",))
@@ -42,16 +53,21 @@ def _scatter(kv: PagedKV, ids, k, v):
                       v=tuple(x.at[:, ids].set(y.astype(x.dtype), mode="drop") for x, y in zip(kv.v, v)))
 
 
-def write_blocks(kv: PagedKV, ids: list[int], k: np.ndarray, v: np.ndarray) -> PagedKV:
-    """Write host blocks k, v [L, nKV, n, bs, hd] into blocks ids (one transfer); kv is donated."""
-    n, P = _bucket(len(ids)), kv.num_blocks
-    idx = np.full((n,), P, np.int32)
-    idx[:len(ids)] = ids
-    if n > len(ids):
-        pad = [(0, 0)] * k.ndim
-        pad[2] = (0, n - len(ids))
-        k, v = np.pad(k, pad), np.pad(v, pad)
-    return _scatter(kv, idx, k, v)
+def write_blocks(kv: PagedKV, ids: list[int], arrays) -> PagedKV:
+    """Write host blocks into blocks ids; arrays(i) -> (k, v) [L, nKV, bs, hd] of block ids[i]. Each
+    piece is gathered into one host buffer and sent in one transfer; kv is donated."""
+    P = kv.num_blocks
+    for lo, hi in _pieces(len(ids)):
+        n = _bucket(hi - lo)
+        idx = np.full((n,), P, np.int32)
+        idx[:hi - lo] = ids[lo:hi]
+        k0, _ = arrays(lo)
+        shape = (k0.shape[0], k0.shape[1], n, *k0.shape[2:])
+        k, v = np.zeros(shape, k0.dtype), np.zeros(shape, k0.dtype)
+        for i in range(lo, hi):
+            k[:, :, i - lo], v[:, :, i - lo] = arrays(i)
+        kv = _scatter(kv, idx, k, v)
+    return kv
 
 
 @partial(jax.jit, donate_argnames=("kv",))
