@@ -73,6 +73,21 @@ def add_engine_args(p):
                    help="save the prefix cache here at shutdown and load it at start (when it matches the model)")
 
 
+def describe_prefix_cache(kw: dict) -> str:
+    """One line for --plan and the start-up log."""
+    if not kw["prefix_cache"]:
+        return "prefix cache:       off"
+    tiers = ["device blocks"]
+    if kw["prefix_cache_ram_gib"] or kw["ssd_context_gib"] or kw["prefix_cache_file"]:
+        tiers.append(f"RAM {kw['prefix_cache_ram_gib'] or 1.0:g} GiB (resize {kw['ram_resize']})")
+    if kw["ssd_context_gib"]:
+        tiers.append(f"SSD {kw['ssd_context_gib']:g} GiB in {kw['ssd_context_dir']} "
+                     f"(at most {kw['ssd_gib_per_hour']:g} GiB/hour written)")
+    if kw["prefix_cache_file"]:
+        tiers.append(f"saved to {kw['prefix_cache_file']}")
+    return "prefix cache:       " + ", ".join(tiers)
+
+
 def engine_kwargs(a) -> dict:
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
         if getattr(a, name) < 1:
@@ -87,6 +102,10 @@ def engine_kwargs(a) -> dict:
         raise ValueError("--fair-turn-s must be >= 0")
     if a.prefix_cache_ram_gib < 0:
         raise ValueError("--prefix-cache-ram-gib must be >= 0")
+    if a.ssd_context_gib < 0 or a.ssd_context_gib_per_hour <= 0:
+        raise ValueError("--ssd-context-gib must be >= 0 and --ssd-context-gib-per-hour > 0")
+    if a.ssd_context_gib > 0 and not a.ssd_context_dir:
+        raise ValueError("--ssd-context-gib needs --ssd-context-dir DIR")
     if a.state_snapshots is not None and a.state_snapshots < 0:
         raise ValueError("--state-snapshots must be >= 0")
     return dict(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from scripts._common import add_engine_args, add_model_args, engine_kwargs, run
+from scripts._common import add_engine_args, add_model_args, describe_prefix_cache, engine_kwargs, run
 
 
 def main(argv=None) -> int:
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
                              max_num_batched_tokens=kw["max_num_batched_tokens"])
             print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype})")
             print(plan.describe())
+            print(describe_prefix_cache(kw))
             return 0
         from server.app import ServerLimits, create_app
         limits = ServerLimits(api_key=a.api_key or os.environ.get("INFERNIX_API_KEY") or None,
@@ -88,8 +89,10 @@ def main(argv=None) -> int:
         model.name = next((n for n in names if n != "*"), model.name)
         _apply_generation_config(limits, model.generation_defaults if a.generation_config == "auto" else {},
                                  override)
-        engine = Engine(model, **engine_kwargs(a))
+        kw = engine_kwargs(a)
+        engine = Engine(model, **kw)
         print(engine.plan.describe(), file=sys.stderr)
+        print(describe_prefix_cache(kw), file=sys.stderr)
         if a.warmup == "full":
             print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
         app = create_app(engine, warmup=a.warmup == "basic", limits=limits)

@@ -114,7 +114,13 @@ def test_serve_plan_prints_the_allocation_without_loading(smollm):
     assert r.returncode == 0, r.stderr
     assert "KV per token:       45.0 KiB" in r.stdout and "KV pool:            0.50 GiB" in r.stdout
     assert "weights:" in r.stdout and "max tokens cached:  11648" in r.stdout
+    assert "prefix cache:       device blocks" in r.stdout
     bad = run_cli("scripts.serve", "--plan", "--max-num-seqs", "0")
     assert bad.returncode == 2 and "max-num-seqs" in bad.stderr and "Traceback" not in bad.stderr
+    for flags, msg in ((["--ssd-context-gib", "1"], "needs --ssd-context-dir"),
+                       (["--prefix-cache-ram-gib", "-1"], "prefix-cache-ram-gib"),
+                       (["--fair-turn-s", "-2"], "fair-turn-s")):
+        bad = run_cli("scripts.serve", "--plan", *flags)
+        assert bad.returncode == 2 and msg in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     small = run_cli("scripts.serve", "--plan", "--kv-cache-gib", "0.001")
     assert small.returncode == 2 and "cannot hold one sequence" in small.stderr
