@@ -116,7 +116,7 @@ def test_ram_tier_gives_memory_back_and_takes_it_again(caplog):
         def __init__(self, key):
             self.key, self.parent, self.tokens = key, 0, (key,)
     block = GiB // 4
-    tier.add([M(i) for i in range(12)], np.zeros((1, 1, 12, 1, 1)), np.zeros((1, 1, 12, 1, 1)), block)
+    tier.add([M(i) for i in range(12)], np.zeros((12, 1, 1, 1, 1)), np.zeros((12, 1, 1, 1, 1)), block)
     assert tier.used == 3 * GiB and tier.limit == 4 * GiB
     with caplog.at_level(logging.INFO, logger="infernix.cache"):
         avail[0] = int(0.5 * GiB)                  # pressure: 1.5 GiB short of the reserve
@@ -129,7 +129,7 @@ def test_ram_tier_gives_memory_back_and_takes_it_again(caplog):
         tier.check_memory(now=12.0)
         assert tier.limit == 4 * GiB
     assert "shrinking" in caplog.text and "growing" in caplog.text
-    tier.add([M(100 + i) for i in range(4)], np.ones((1, 1, 4, 1, 1)), np.ones((1, 1, 4, 1, 1)), block)
+    tier.add([M(100 + i) for i in range(4)], np.ones((4, 1, 1, 1, 1)), np.ones((4, 1, 1, 1, 1)), block)
     assert tier.used == tier.limit or tier.used == (6 + 4) * block
     assert HostTier(GiB, "off").resize == "off"
     with pytest.raises(ValueError, match="ram-resize"):

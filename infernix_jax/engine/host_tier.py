@@ -21,7 +21,7 @@ GiB = 1 << 30
 
 
 class _Batch:
-    """Blocks read off the device together: k, v [L, nKV, n, bs, hd] device arrays -> numpy."""
+    """Blocks read off the device together: k, v [n, L, nKV, bs, hd] device arrays -> numpy."""
 
     def __init__(self, k, v):
         self._dev, self._host = (k, v), None
@@ -48,7 +48,7 @@ class HostEntry:
         """k, v [L, nKV, bs, hd] of this block (waits for its copy from the device if still running)."""
         if self._k is None:
             k, v = self._batch.host()
-            self._k, self._v = k[:, :, self._col], v[:, :, self._col]     # views: the piece stays while used
+            self._k, self._v = k[self._col], v[self._col]     # views: the piece stays while one is used
             self._batch = None
         return self._k, self._v
 
@@ -88,7 +88,7 @@ class HostTier:
         return [self.entries[k] for k in self.children.get(parent, ())]
 
     def add(self, metas, k, v, block_bytes: int) -> None:
-        """Keep blocks read off the device: metas[i] describes column i of k, v."""
+        """Keep blocks read off the device: metas[i] describes row i of k, v."""
         batch = _Batch(k, v)
         for i, m in enumerate(metas):
             if m.key in self.entries or block_bytes > self.limit:

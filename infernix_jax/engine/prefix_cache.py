@@ -260,7 +260,7 @@ class PrefixCache:
             k, v = np.asarray(k), np.asarray(v)
             for i, b in enumerate(dev[p * kv_blocks.CHUNK:(p + 1) * kv_blocks.CHUNK]):
                 m = self.bm.meta[b]
-                blocks.append((m.key, m.parent, m.tokens, k[:, :, i], v[:, :, i]))
+                blocks.append((m.key, m.parent, m.tokens, k[i], v[i]))
                 used += self.block_bytes
         if self.host is not None:
             self.host.settle()

@@ -29,12 +29,13 @@ def _pieces(n: int):
 
 @jax.jit
 def _gather(k, v, ids):
-    # k[j] [nKV, P, bs, hd] -> [L, nKV, n, bs, hd]
-    return jnp.stack([x[:, ids] for x in k]), jnp.stack([x[:, ids] for x in v])
+    # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]: block-major, so that each block is one
+    # contiguous piece of host memory
+    return tuple(jnp.stack([x[:, ids] for x in a], 1).transpose(2, 1, 0, 3, 4) for a in (k, v))
 
 
 def read_blocks(kv: PagedKV, ids: list[int]) -> list:
-    """[(k, v)] device arrays per piece of ids, each [L, nKV, n_padded, bs, hd]; column i of piece p
+    """[(k, v)] device arrays per piece of ids, each [n_padded, L, nKV, bs, hd]; row i of piece p
     is block ids[p * CHUNK + i]. The copies to the host start here and overlap the device's next work."""
     out = []
     for lo, hi in _pieces(len(ids)):
@@ -49,8 +50,11 @@ def read_blocks(kv: PagedKV, ids: list[int]) -> list:
 
 @partial(jax.jit, donate_argnames=("kv",))
 def _scatter(kv: PagedKV, ids, k, v):
-    return kv.replace(k=tuple(x.at[:, ids].set(y.astype(x.dtype), mode="drop") for x, y in zip(kv.k, k)),
-                      v=tuple(x.at[:, ids].set(y.astype(x.dtype), mode="drop") for x, y in zip(kv.v, v)))
+    # k, v [n, L, nKV, bs, hd] -> layer j's [nKV, n, bs, hd] at blocks ids
+    def put(pool, new):
+        return tuple(x.at[:, ids].set(new[:, j].swapaxes(0, 1).astype(x.dtype), mode="drop")
+                     for j, x in enumerate(pool))
+    return kv.replace(k=put(kv.k, k), v=put(kv.v, v))
 
 
 def write_blocks(kv: PagedKV, ids: list[int], arrays) -> PagedKV:
@@ -62,10 +66,9 @@ def write_blocks(kv: PagedKV, ids: list[int], arrays) -> PagedKV:
         idx = np.full((n,), P, np.int32)
         idx[:hi - lo] = ids[lo:hi]
         k0, _ = arrays(lo)
-        shape = (k0.shape[0], k0.shape[1], n, *k0.shape[2:])
-        k, v = np.zeros(shape, k0.dtype), np.zeros(shape, k0.dtype)
+        k, v = np.empty((n, *k0.shape), k0.dtype), np.empty((n, *k0.shape), k0.dtype)   # padding rows: dropped
         for i in range(lo, hi):
-            k[:, :, i - lo], v[:, :, i - lo] = arrays(i)
+            k[i - lo], v[i - lo] = arrays(i)
         kv = _scatter(kv, idx, k, v)
     return kv
 
