@@ -285,12 +285,12 @@ def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog):
 def test_requests_take_turns_under_kv_pressure(tiny, turn):
     """Four requests that need 10 blocks each in a pool of 20: with fair turns every request makes
     progress within a bounded number of steps; without, the last ones wait for the first to end.
-    The clock is the engine's step count (a turn: 4 steps of output, 8 of recovery)."""
+    The clock is the engine's step count (a turn: 4 steps of output)."""
     rng = np.random.default_rng(11)
     prompts = [list(map(int, rng.integers(10, 40000, 60))) for _ in range(4)]
     per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
     eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=2, max_model_len=176,
-                 kv_cache_gib=20 * per_block / GiB, fair_turn_s=turn, fair_recovery_s=2 * turn)
+                 kv_cache_gib=20 * per_block / GiB, fair_turn_s=turn)
     steps = [0]
     eng.scheduler.clock = lambda: steps[0] / 4
     last = [0] * 4

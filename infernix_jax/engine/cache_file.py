@@ -19,6 +19,17 @@ log = logging.getLogger("infernix.cache")
 FORMAT = 1
 
 
+def weights_identity(path) -> str:
+    """The checkpoint behind a model: its files' paths, sizes and modification times (a served alias
+    or a config says nothing about which weights computed the KV)."""
+    import pathlib
+    if not path:
+        return ""
+    p = pathlib.Path(path)
+    files = sorted(x for x in p.iterdir() if x.suffix in (".safetensors", ".gguf", ".json")) if p.is_dir() else [p]
+    return ";".join(f"{x.resolve()}:{x.stat().st_size}:{x.stat().st_mtime_ns}" for x in files if x.exists())
+
+
 def fingerprint(model_id: str, dtype: str, kv_format: str, block_size: int, device_kind: str) -> dict:
     return {"format": FORMAT, "model": model_id, "dtype": dtype, "kv": kv_format, "block_size": block_size,
             "device": device_kind}

@@ -58,8 +58,7 @@ class Engine:
                  chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None,
                  state_snapshots: int | None = None, prefix_cache: bool = True, prefix_cache_ram_gib: float = 0.0,
                  ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
-                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
-                 fair_recovery_s: float = 3.0):
+                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0):
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer
@@ -72,7 +71,8 @@ class Engine:
                                           max_num_batched_tokens=max_num_batched_tokens)
         # Prefix keys start from a root that names what the blocks' contents depend on.
         dtype_name = np.dtype(model.dtype).name
-        self.fingerprint = cache_file.fingerprint(f"{model.name}|{model.cfg}", dtype_name, dtype_name, block_size,
+        weights = cache_file.weights_identity(model.path) or model.name      # random weights: the name
+        self.fingerprint = cache_file.fingerprint(f"{weights}|{model.cfg}", dtype_name, dtype_name, block_size,
                                                   jax.devices()[0].device_kind)
         self.bm = BlockManager(self.plan.num_blocks, block_size, root=root_key(json.dumps(self.fingerprint)),
                                cache=prefix_cache)
@@ -96,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps,
                                    state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows,
                                    align=self.snapshots.interval if self.snapshots is not None else 0,
-                                   cache=self.cache, turn_s=fair_turn_s, recovery_s=fair_recovery_s)
+                                   cache=self.cache, turn_s=fair_turn_s)
         if self.snapshots is not None:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
         self.runner = Runner(model, self.plan.num_blocks, block_size,
@@ -323,6 +323,9 @@ class Engine:
         if self._thread:
             self._inbox.put(None)
             self._thread.join(timeout=60)
+            if self._thread.is_alive():      # still inside a step: its pool and files are not ours to touch
+                log.error("the device thread did not stop within 60 s; prefix cache not saved")
+                return
         self.close()
 
     def _take_inbox(self, block: bool) -> None:

@@ -48,7 +48,8 @@ class HostEntry:
         """k, v [L, nKV, bs, hd] of this block (waits for its copy from the device if still running)."""
         if self._k is None:
             k, v = self._batch.host()
-            self._k, self._v = k[self._col], v[self._col]     # views: the piece stays while one is used
+            # copies (one memcpy each, rows are contiguous): a view would keep the whole piece alive
+            self._k, self._v = k[self._col].copy(), v[self._col].copy()
             self._batch = None
         return self._k, self._v
 
@@ -107,7 +108,7 @@ class HostTier:
         if key in self.entries or self.used + nbytes > self.limit:
             return
         e = HostEntry(key, parent, tuple(tokens), None, 0, nbytes)
-        e._k, e._v = k, v
+        e._k, e._v = np.array(k), np.array(v)        # own copies: not views of the loaded file
         self.entries[key] = e
         self.children.setdefault(parent, set()).add(key)
         self.used += nbytes

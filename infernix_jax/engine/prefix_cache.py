@@ -209,7 +209,7 @@ class PrefixCache:
         if hit.snapshot is not None:
             self._restores.append((seq, hit.snapshot))
         seq.num_computed = hit.tokens
-        if not seq.out_ids:                        # (a preempted sequence reports its first admission)
+        if not seq.admitted:                       # usage reports the first admission's hit
             seq.num_cached = hit.tokens
 
     def _tier(self, e) -> str:

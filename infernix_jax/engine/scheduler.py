@@ -11,9 +11,10 @@ With a prefix cache, a sequence admitted with no blocks first takes over the lon
 of its tokens (prefix_cache.lookup), so only the rest is fed.
 
 Fair service under KV pressure: while the head of the queue waits for KV blocks, running sequences
-get bounded turns (`turn_s` of output, or `recovery_s` to prefill or recompute before their first
-output token); when one's turn is over it goes to the back of the queue, its blocks left in the
-prefix cache, and the waiting head starts. So every request is served in rotation instead of the
+get bounded turns: `turn_s` of output once their first token of the turn came (prefill and
+recovery are never cut short: a sequence rotated out mid-recompute could find its progress evicted
+by the time it returns, and never emit a token); when one's turn is over it goes to the back of
+the queue, its blocks left in the prefix cache, and the waiting head starts. So every request is served in rotation instead of the
 oldest taking everything, and a paused one resumes from its cached prefix, recomputing only what
 the cache lost.
 
@@ -34,9 +35,9 @@ class Scheduler:
     def __init__(self, bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True, decode_steps: int = 1, state_slots: int = 0,
                  max_prefill_rows: int | None = None, align: int = 0, cache=None,
-                 turn_s: float = 1.0, recovery_s: float = 3.0):
+                 turn_s: float = 1.0):
         self.bm = bm
-        self.turn_s, self.recovery_s = turn_s, recovery_s    # fair service (0: off)
+        self.turn_s = turn_s                  # fair service (0: off)
         self.clock = time.monotonic
         self.kv_starved = False               # the queue's head waited for KV blocks at the last schedule
         self.num_rotations = 0
@@ -72,6 +73,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if self.on_release is not None and seq.block_ids:
+            self.bm.seal_full_blocks(seq)      # (a sequence can end on the step that fills a block)
             self.on_release(seq)
         self.bm.release(seq)
         if seq.state_slot is not None:
@@ -104,10 +106,7 @@ class Scheduler:
         if self.bm.blocks_for(len(head) + 1) <= self.bm.num_free:
             return                            # it fits now: no one needs to yield
         now = self.clock()
-
-        def over(s):
-            return now - s.turn_out >= self.turn_s if s.turn_out is not None else now - s.turn_start >= self.recovery_s
-        done = [s for s in self.running if over(s)]
+        done = [s for s in self.running if s.turn_out is not None and now - s.turn_out >= self.turn_s]
         if done:
             self.requeue(min(done, key=lambda s: s.turn_start), front=False)
             self.num_rotations += 1
@@ -154,12 +153,11 @@ class Scheduler:
             return 0
         if self.cache is not None and not seq.block_ids:
             self.cache.count_query(seq)
-            if not seq.out_ids:
-                seq.num_cached = 0
             if hit:
                 self.cache.commit(seq, hit)
         seq.state_dirty = False
         seq.turn_start, seq.turn_out = self.clock(), None
+        seq.admitted = True
         return n
 
     def _prefill_rows_full(self, plan, n: int) -> bool:

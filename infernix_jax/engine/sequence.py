@@ -31,6 +31,7 @@ class Sequence:
         self.state_dirty = False              # hybrids: the state slot holds more than num_computed tokens
         self.turn_start = 0.0                 # fair service: when its current turn began (admission)
         self.turn_out: float | None = None    # ... and when its first output token of the turn came
+        self.admitted = False                 # started at least once (preemption and turns restart it)
         self.num_computed = 0                 # tokens whose K/V are in the cache
         self.state_slot: int | None = None    # hybrids: the sequence's slot in the state pool
         self.finish_reason: str | None = None

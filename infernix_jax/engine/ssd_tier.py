@@ -5,8 +5,8 @@ The file is a ring of `capacity` bytes written front to back: a new record goes 
 and the records it overwrites leave the index (oldest first, which is what the RAM tier gave up
 longest ago). Writes run on a background thread, off the request path, and go through a budget of
 GiB per hour (a token bucket holding five minutes of budget): past it, blocks are dropped instead
-of written, so an agent session cannot wear out the disk. A read that races a write of the same
-block waits for it. Every record carries a BLAKE2 checksum of its header and payload: a record
+of written, so an agent session cannot wear out the disk. A block still queued for writing is
+served from memory. A read error is a miss. Every record carries a BLAKE2 checksum of its header and payload: a record
 that does not check out is a miss, never wrong output."""
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class SSDTier:
         self.dropped = 0
         self.corrupt = 0
         self._lock = threading.Lock()
-        self._pending: dict[int, threading.Event] = {}
+        self._pending: dict[int, object] = {}            # key -> entry queued for writing
         self._order: collections.deque = collections.deque()     # (key, offset, length), oldest first
         self._queue: queue.Queue = queue.Queue()
         self._zc = zstandard.ZstdCompressor(level=1)
@@ -80,7 +80,7 @@ class SSDTier:
         with self._lock:
             if entry.key in self.index or entry.key in self._pending:
                 return
-            self._pending[entry.key] = threading.Event()
+            self._pending[entry.key] = entry
         self._queue.put(entry)
 
     def _take_budget(self, n: int) -> bool:
@@ -111,15 +111,24 @@ class SSDTier:
             except Exception as e:  # a full or failing disk must not take the engine down
                 log.error("SSD tier: write failed: %s", e)
                 with self._lock:
-                    self._pending.pop(entry.key).set()
+                    self._pending.pop(entry.key, None)
 
     def _write(self, entry) -> None:
+        k, _ = entry.arrays()
+        with self._lock:        # out of budget even for a record compressed to half: skip the compression
+            self._take_budget(0)
+            room = self._bucket >= k.nbytes
+        if not room:
+            with self._lock:
+                self.dropped += 1
+                self._pending.pop(entry.key, None)
+            return
         rec = self._record(entry)
         with self._lock:
             ok = len(rec) <= self.capacity and self._take_budget(len(rec))
             if not ok:
                 self.dropped += 1
-                self._pending.pop(entry.key).set()
+                self._pending.pop(entry.key, None)
                 return
             order = self._order                        # records by age; the oldest lie right after the head
             if self.head + len(rec) > self.capacity:   # wrap: the last lap's records past the head go
@@ -137,7 +146,7 @@ class SSDTier:
             self.meta[entry.key] = (entry.parent, tuple(entry.tokens))
             self.children.setdefault(entry.parent, set()).add(entry.key)
             self.written_bytes += len(rec)
-            self._pending.pop(entry.key).set()
+            self._pending.pop(entry.key, None)
 
     def _forget(self, key: int, off: int | None = None, n: int | None = None) -> None:
         """Drop key from the index (only if it still names the record at off, when given)."""
@@ -161,22 +170,25 @@ class SSDTier:
 
     def get(self, key: int) -> DiskEntry | None:
         """Read a block back; None when it is not here or its record does not check out."""
-        ev = self._pending.get(key)
-        if ev is not None:
-            ev.wait()                                  # a read that races the write waits for it
         with self._lock:
+            queued = self._pending.get(key)
             loc = self.index.get(key)
+        if queued is not None and loc is None:         # not written yet: served from memory
+            return DiskEntry(key, queued.parent, tuple(queued.tokens), *queued.arrays())
         if loc is None:
             return None
         off, n = loc
-        rec = os.pread(self._fd, n, off)
+        try:
+            rec = os.pread(self._fd, n, off)
+        except OSError as e:
+            log.error("SSD tier: read failed (%s); treated as a miss", e)
+            return None
         entry = self._parse(rec, key)
         if entry is None:
             self.corrupt += 1
             log.warning("SSD tier: a record failed its checksum; treated as a miss")
             with self._lock:
-                if key in self.index:
-                    self._forget(key)
+                self._forget(key, off, n)
         return entry
 
     def _parse(self, rec: bytes, key: int) -> DiskEntry | None:
