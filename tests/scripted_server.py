@@ -35,6 +35,7 @@ class ScriptedEngine:
         self.eos_ids = tuple(tokenizer.eos_ids)
         self.scheduler = types.SimpleNamespace(waiting=[], running=[])
         self.bm = types.SimpleNamespace(num_free=16, num_blocks=16)
+        self.cache = None                    # no prefix cache
 
     def start(self, warmup: bool = True) -> None:
         pass
