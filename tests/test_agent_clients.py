@@ -54,7 +54,7 @@ def served(server_url, endpoint: str, more_than: float = -1.0) -> float:
         time.sleep(0.25)
 
 
-def run_client(cmd, env, cwd, timeout=300):
+def run_client(cmd, env, cwd, timeout=300, cut_ok: str | None = None):
     """Output goes to files, not pipes: an agent's helper processes may hold inherited pipes open
     after it exits, and its own log (printed on failure) says where it stopped."""
     full = {"PATH": os.environ["PATH"], "HOME": str(cwd / "home"), "DISABLE_TELEMETRY": "1", **env}
@@ -67,7 +67,9 @@ def run_client(cmd, env, cwd, timeout=300):
         except subprocess.TimeoutExpired:
             pytest.fail(f"{cmd[0]} did not finish in {timeout} s: {err.read_text()[-3000:]}")
     stdout, stderr = out.read_text(), err.read_text()
-    assert r.returncode == 0, f"{cmd[0]} exited {r.returncode}: {stderr[-1500:]}"
+    if r.returncode and cut_ok is not None and cut_ok in stdout:
+        return stdout          # the reply was cut by this module's 48-token cap: the client says so
+    assert r.returncode == 0, f"{cmd[0]} exited {r.returncode}: {stdout[-500:]} {stderr[-1500:]}"
     assert stdout.strip(), f"{cmd[0]} printed no reply: {stderr[-1500:]}"
     return stdout
 
@@ -101,5 +103,8 @@ def test_claude_code_print(npm_bin, server_url, tmp_path):
     before = served(server_url, "messages")
     run_client([str(npm_bin / "claude"), "-p", "Say hello.", "--model", "test-model"],
                {"ANTHROPIC_BASE_URL": server_url, "ANTHROPIC_AUTH_TOKEN": "x",
-                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, tmp_path)
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, tmp_path,
+               # Claude Code -p exits 1 on stop_reason max_tokens; greedy replies of the 135M model to
+               # its (date-stamped) prompt sometimes run past the cap
+               cut_ok="exceeded the 128000 output token maximum")
     assert served(server_url, "messages", more_than=before) > before
