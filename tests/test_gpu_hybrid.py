@@ -12,19 +12,9 @@ from infernix_jax.config import PRESETS
 from infernix_jax.engine import Engine, Request, SamplingParams
 from infernix_jax.loader import LoadedModel
 from infernix_jax.models import init_params
+from scripts.bench_prefix import IdsTokenizer
 
 pytestmark = pytest.mark.gpu
-
-
-class DigitsTokenizer:
-    """Just enough of a tokenizer for the engine: ids as text, no special tokens."""
-    eos_ids = ()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" {i}" for i in ids)
-
-    def token_to_id(self, token):
-        return None
 
 
 @pytest.mark.parametrize("shape", ["qwen3.5-27b", "qwen3.5-35b-a3b"])
@@ -36,7 +26,7 @@ def test_compiled_kernels_in_the_hybrid_engine_match_the_reference(shape):
                               num_experts=min(base.num_experts, 16), moe_intermediate_size=64,
                               shared_expert_intermediate_size=base.shared_expert_intermediate_size and 64)
     model = LoadedModel(name=shape, path="", cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(0), scale=0.5),
-                        tokenizer=DigitsTokenizer(), dtype=jnp.float32)
+                        tokenizer=IdsTokenizer(), dtype=jnp.float32)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(1, 4000, n))) for n in (1, 9, 64, 130, 47, 200)]
     outs = {}

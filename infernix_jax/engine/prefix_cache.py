@@ -38,11 +38,6 @@ class Hit:
             (self.tail is not None and isinstance(self.tail[1], OnDisk))
 
     @property
-    def new_blocks(self) -> int:
-        """Fresh blocks the hit fills (RAM blocks and the copied tail)."""
-        return sum(b is None for b, _, _ in self.full) + (self.tail is not None)
-
-    @property
     def device_blocks(self) -> int:
         return sum(b is not None for b, _, _ in self.full)
 
