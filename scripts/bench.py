@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-reference", action="store_true", help="skip the transformers run")
     p.add_argument("--tokens", type=int, default=2048, help="for 'prefix': the conversation's length")
     p.add_argument("--chunk", type=int, default=2048, help="for 'prefix': the prefill chunk (token budget of a step)")
+    p.add_argument("--cases", default="a,b,c,d,e,replay",
+                   help="for 'prefix': which cases (a cold, b device, c RAM, d SSD, e restart, replay; "
+                        "disk: this host's cold read and zstd speeds, what bounds d)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV pool of our engine (default: what the engine picks for the lengths below)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -110,8 +113,12 @@ def main(argv=None) -> int:
             shape = None if a.shape == p.get_default("shape") else a.shape     # default: the real --model
             if a.tokens < 64:
                 raise ValueError("--tokens must be >= 64")
+            cases = [c for c in a.cases.split(",") if c]
+            bad = set(cases) - set(bench_prefix.PrefixBench.CASES)
+            if bad:
+                raise ValueError(f"unknown --cases {', '.join(sorted(bad))}; known: {','.join(bench_prefix.PrefixBench.CASES)}")
             bench_prefix.run(shape, a.model, a.dtype, a.tokens, a.chunk,
-                             None if a.out == p.get_default("out") else a.out)
+                             None if a.out == p.get_default("out") else a.out, cases)
             return 0
         if a.what == "shapes":
             from scripts import bench_shapes

@@ -93,23 +93,38 @@ class PrefixBench:
             eng.close()
         row = {"case": name, "tokens": self.T, "ttft_s": round(t, 4), "cached_tokens": cached,
                "cold_ttft_s": round(t_cold, 4), "speedup_vs_cold": round(t_cold / t, 1)}
+        costs = eng.cache.costs if eng.cache is not None else None
+        if costs is not None and costs.read_bps:          # what the cost model measured
+            row["ssd_read_gb_s"] = round(costs.read_bps / 1e9, 2)
+            row["prefill_tok_s"] = round(costs.prefill_tps or 0)
         self.rows.append(row)
         print(json.dumps(row), flush=True)
 
-    def run(self) -> list[dict]:
+    CASES = ("a", "b", "c", "d", "e", "replay", "disk")
+
+    def run(self, cases=CASES) -> list[dict]:
         T, bt = self.T, self.per_tok
         ram = 2.5 * T * bt / GiB
         case = str(self.dir / "case")
-        self.case("a_cold", lambda i: self.engine(prefix_cache=False))
-        self.case("b_device", lambda i: self.engine())
-        self.case("c_ram", lambda i: self.engine(prefix_cache_ram_gib=ram), push="evict")
-        self.case("d_ssd", lambda i: self.engine(prefix_cache_ram_gib=4 * 16 * bt / GiB,
-                                                 ssd_context_gib=1.5 * T * bt / GiB, ssd_context_dir=case,
-                                                 ssd_gib_per_hour=1000.0), push="ssd")
-        self.case("e_restart", lambda i: self.engine(prefix_cache_ram_gib=ram, prefix_cache_file=case + "/cache.npz"),
-                  push="restart")
+        if "a" in cases:
+            self.case("a_cold", lambda i: self.engine(prefix_cache=False))
+        if "b" in cases:
+            self.case("b_device", lambda i: self.engine())
+        if "c" in cases:
+            self.case("c_ram", lambda i: self.engine(prefix_cache_ram_gib=ram), push="evict")
+        if "d" in cases:
+            self.case("d_ssd", lambda i: self.engine(prefix_cache_ram_gib=4 * 16 * bt / GiB,
+                                                     ssd_context_gib=1.5 * T * bt / GiB, ssd_context_dir=case,
+                                                     ssd_gib_per_hour=1000.0), push="ssd")
+        if "e" in cases:
+            self.case("e_restart", lambda i: self.engine(prefix_cache_ram_gib=ram,
+                                                         prefix_cache_file=case + "/cache.npz"), push="restart")
         shutil.rmtree(case, ignore_errors=True)
-        self.replay(case)
+        if "replay" in cases:
+            self.replay(case)
+        if "disk" in cases:
+            self.rows.append(disk_probe(self.dir, self.per_tok * 16))
+            print(json.dumps(self.rows[-1]), flush=True)
         return self.rows
 
     def replay(self, ssd_dir: str, turns: int = 8) -> None:
@@ -134,6 +149,35 @@ class PrefixBench:
         print(json.dumps(row), flush=True)
 
 
+def disk_probe(directory: Path, block_bytes: int, n: int = 512, threads: int = 16) -> dict:
+    """What bounds the SSD tier on this host: cold reads of n KV-block-sized zstd records (16
+    threads, as the tier reads), and zstd decompression, of data like random-weight bf16 KV."""
+    import zstandard
+    from concurrent.futures import ThreadPoolExecutor
+    rng = np.random.default_rng(0)
+    raw = (rng.standard_normal(block_bytes // 2).astype(np.float32) * 0.5).astype(np.float16).tobytes()
+    rec = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(raw)
+    path = directory / "disk-probe.bin"
+    with open(path, "wb") as f:
+        for _ in range(n):
+            f.write(rec)
+    _drop_page_cache(str(path))
+    fd, L = os.open(path, os.O_RDONLY), len(rec)
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            t = time.perf_counter()
+            recs = list(ex.map(lambda i: os.pread(fd, L, i * L), range(n)))
+            read_s = time.perf_counter() - t
+            t = time.perf_counter()
+            list(ex.map(lambda r: zstandard.ZstdDecompressor().decompress(r), recs))
+            unzip_s = time.perf_counter() - t
+    finally:
+        os.close(fd)
+        path.unlink()
+    return {"case": "disk", "records": n, "record_bytes": L, "compression_ratio": round(L / len(raw), 3),
+            "cold_read_gb_s": round(n * L / read_s / 1e9, 2), "zstd_gb_s": round(n * len(raw) / unzip_s / 1e9, 2)}
+
+
 def _drop_page_cache(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -144,12 +188,13 @@ def _drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
-def run(shape: str | None, model_spec: str, dtype: str, tokens: int, chunk: int, out: str | None) -> None:
+def run(shape: str | None, model_spec: str, dtype: str, tokens: int, chunk: int, out: str | None,
+        cases=PrefixBench.CASES) -> None:
     import jax
     model = load(shape, model_spec, dtype)
     work = Path(tempfile.mkdtemp(prefix="infernix-bench-prefix-"))
     try:
-        rows = PrefixBench(model, tokens, work, chunk).run()
+        rows = PrefixBench(model, tokens, work, chunk).run(cases)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{'case':<10} {'TTFT':>9} {'cached':>7} {'x cold':>7}   ({tokens} tokens, {shape or model_spec}, "

@@ -76,6 +76,12 @@ class Metrics:
                       registry=r).set_function(lambda: cache.host.used)
                 Gauge("infernix_prefix_cache_ram_limit_bytes", "the RAM tier's size limit now (auto resize moves it)",
                       registry=r).set_function(lambda: cache.host.limit)
+            if cache.ssd is not None:
+                Gauge("infernix_prefix_cache_ssd_bytes_written", "bytes written to the SSD tier since start",
+                      registry=r).set_function(lambda: cache.ssd.written_bytes)
+                Gauge("infernix_prefix_cache_ssd_skipped_tokens",
+                      "prompt tokens found on the SSD tier but computed, because reading was measured slower",
+                      registry=r).set_function(lambda: cache.stats["ssd_skipped"])
         self.log_path = log_path
         self._log_lock = threading.Lock()
         self._log = open(log_path, "a", encoding="utf-8") if log_path else None

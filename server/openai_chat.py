@@ -245,14 +245,15 @@ def completion_body(meta, results: list[tuple[str, str, list, list, Done]], toke
                                                min(r[4].cached_tokens for r in results))}
 
 
-def stream_end(meta: dict, obj: str, done: list, prompt_tokens: int) -> list[str]:
+def stream_end(meta: dict, obj: str, done: list, prompt_tokens: int, n: int | None = None) -> list[str]:
     """The end of an OpenAI chunk stream: a usage chunk when stream_options.include_usage asked for
-    one (once every choice is done), then [DONE]."""
+    one (once every choice is done), then [DONE]. With n, choices come n per prompt (Completions with
+    several prompts): cached tokens are summed over prompts; else all choices share one prompt."""
     out = []
     if meta["include_usage"] and all(done):
+        cached = sum(d.cached_tokens for d in done[::n]) if n else min(d.cached_tokens for d in done)
         body = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"], "choices": [],
-                "usage": usage(prompt_tokens, sum(d.completion_tokens for d in done),
-                               min(d.cached_tokens for d in done))}
+                "usage": usage(prompt_tokens, sum(d.completion_tokens for d in done), cached)}
         out.append("data: " + json.dumps(body) + "\n\n")
     return out + ["data: [DONE]\n\n"]
 

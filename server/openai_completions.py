@@ -141,4 +141,4 @@ class StreamRenderer:
         return out
 
     def end(self) -> list[str]:
-        return stream_end(self.meta, "text_completion", self.done, sum(len(p) for p in self.meta["prompts"]))
+        return stream_end(self.meta, "text_completion", self.done, sum(len(p) for p in self.meta["prompts"]), self.n)

@@ -92,6 +92,40 @@ def test_evicted_blocks_come_back_from_the_ram_tier(tiny, texts):
     assert got.cached_tokens == 70 and eng.cache.stats["ram"] >= 70
 
 
+def test_a_failure_while_admitting_a_cache_hit_fails_that_request_only(tiny, texts):
+    import queue
+    system, prompts = texts
+    want = uncached(tiny, prompts[:2])
+    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=1)
+    run(eng, prompts[:1])                          # the shared system prompt is cached now
+    commit, calls = eng.cache.commit, []
+
+    def failing_commit(seq, hit):                  # the hit's blocks are taken, then something breaks
+        commit(seq, hit)
+        calls.append(seq)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+    eng.cache.commit = failing_commit
+    def ask(prompt):
+        q = queue.Queue()
+        eng.submit(Request(prompt, greedy(), on_event=q.put))
+        ids = []
+        while True:
+            ev = q.get(timeout=120)
+            ids += ev.token_ids
+            if ev.kind in ("done", "error"):
+                return ev.kind, ids
+    eng.start(warmup=False)
+    try:
+        assert ask(prompts[1])[0] == "error"       # the one being admitted fails ...
+        assert ask(prompts[1]) == ("done", want[1])     # ... the next is served (the pool was reset)
+        assert ask(prompts[0]) == ("done", want[0])
+    finally:
+        eng.stop()
+    assert len(calls) == 2                         # the third one reuses the second one's blocks
+    assert eng.bm.num_free == eng.bm.num_blocks     # nothing leaked
+
+
 def test_eviction_takes_leaves_first():
     bm = BlockManager(num_blocks=6, block_size=2)
     evicted = []
@@ -116,13 +150,14 @@ def test_ram_tier_gives_memory_back_and_takes_it_again(caplog):
         def __init__(self, key):
             self.key, self.parent, self.tokens = key, 0, (key,)
     block = GiB // 4
-    tier.add([M(i) for i in range(12)], np.zeros((12, 1, 1, 1, 1)), np.zeros((12, 1, 1, 1, 1)), block)
+    for p in range(3):                             # three pieces of 4 blocks, as read off the device
+        tier.add([M(4 * p + i) for i in range(4)], np.zeros((4, 1, 1, 1, 1)), np.zeros((4, 1, 1, 1, 1)), block)
     assert tier.used == 3 * GiB and tier.limit == 4 * GiB
     with caplog.at_level(logging.INFO, logger="infernix.cache"):
         avail[0] = int(0.5 * GiB)                  # pressure: 1.5 GiB short of the reserve
         tier.check_memory(now=10.0)
         assert tier.limit == int(1.5 * GiB) and tier.used <= tier.limit
-        assert list(tier.entries)[0] == 6         # the oldest went first
+        assert list(tier.entries) == [8, 9, 10, 11]     # the oldest went first, a piece's memory with its last block
         tier.check_memory(now=10.5)               # at most once a second
         assert tier.limit == int(1.5 * GiB)
         avail[0] = 16 * GiB                       # memory is back: grow to the configured size
@@ -130,7 +165,7 @@ def test_ram_tier_gives_memory_back_and_takes_it_again(caplog):
         assert tier.limit == 4 * GiB
     assert "shrinking" in caplog.text and "growing" in caplog.text
     tier.add([M(100 + i) for i in range(4)], np.ones((4, 1, 1, 1, 1)), np.ones((4, 1, 1, 1, 1)), block)
-    assert tier.used == tier.limit or tier.used == (6 + 4) * block
+    assert tier.used == 2 * GiB and len(tier) == 8       # grown back: nothing had to go
     assert HostTier(GiB, "off").resize == "off"
     with pytest.raises(ValueError, match="ram-resize"):
         HostTier(GiB, "sometimes")
@@ -144,17 +179,48 @@ def test_hybrid_next_turn_resumes_from_a_state_snapshot(hybrid, decode_steps):
     turn1 = run(eng, [prompt], n=9)[0]
     follow = prompt + turn1.token_ids + [21, 22, 23]
     turn2 = run(eng, [follow])[0]
-    if decode_steps == 1:
-        assert turn2.cached_tokens == 150 + 9 - 1    # the snapshot taken where turn 1 ended
-    else:
-        # turn 1 ended inside a 3-step dispatch: its state had absorbed tokens past the end, so no
-        # snapshot there; the deepest one is the prompt's chunk boundary at 128
-        assert turn2.cached_tokens == 128
+    # the snapshot taken where turn 1 ended: with 3-step dispatches it ends inside one (at its
+    # length limit), where the device stopped updating its state
+    assert turn2.cached_tokens == 150 + 9 - 1
     other = prompt[:140] + [7, 7, 7]                  # diverges inside block 9: the 128-token snapshot
     third = run(eng, [other])[0]
     assert third.cached_tokens == 128
     assert [turn2.token_ids, third.token_ids] == uncached(hybrid, [follow, other])
     assert eng.bm.num_free == eng.bm.num_blocks
+
+
+def test_hybrid_reply_ending_on_a_stop_token_inside_a_dispatch_leaves_its_snapshot(hybrid):
+    rng = np.random.default_rng(7)
+    prompt = list(map(int, rng.integers(10, 40000, 150)))
+    ref = uncached(hybrid, [prompt], n=12)[0]
+    # a stop token that ends the reply inside a 3-token dispatch (token 1 comes from the prefill)
+    i = next(i for i in range(4, 11) if ref[i] not in ref[:i] and (i + 1) % 3 != 1)
+    eng = Engine(hybrid, max_num_seqs=2, max_num_batched_tokens=48, decode_steps=3)
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[ref[i]])
+    turn1 = eng.generate([Request(prompt, p)])[0]
+    assert turn1.token_ids == ref[:i + 1] and turn1.finish_reason == "stop"
+    follow = prompt + turn1.token_ids + [21, 22, 23]
+    turn2 = run(eng, [follow])[0]
+    assert turn2.cached_tokens == 150 + i      # resumed where the stop token ended turn 1
+    assert turn2.token_ids == uncached(hybrid, [follow])[0]
+
+
+def test_hybrid_snapshot_comes_back_from_the_ssd_tier(hybrid, tmp_path):
+    from infernix_jax.engine.ssd_tier import SNAP
+    rng = np.random.default_rng(6)
+    prompt = list(map(int, rng.integers(10, 40000, 150)))
+    eng = Engine(hybrid, max_num_seqs=2, max_num_batched_tokens=48, decode_steps=1, state_snapshots=2,
+                 ssd_context_gib=0.01, ssd_context_dir=str(tmp_path))
+    turn1 = run(eng, [prompt], n=9)[0]
+    for _ in range(2):                      # their snapshots push turn 1's out of RAM, onto the SSD
+        run(eng, [list(map(int, rng.integers(10, 40000, 140)))], n=2)
+    eng.cache.ssd.flush()
+    assert sum(1 for k in eng.cache.ssd.index if k & SNAP) >= 3
+    follow = prompt + turn1.token_ids + [21, 22, 23]
+    turn2 = run(eng, [follow])[0]
+    assert turn2.cached_tokens == 150 + 9 - 1     # the snapshot taken where turn 1 ended, read back
+    assert turn2.token_ids == uncached(hybrid, [follow])[0]
+    eng.close()
 
 
 def test_server_reports_cached_prompt_tokens(server_url):
@@ -176,6 +242,16 @@ def test_server_reports_cached_prompt_tokens(server_url):
                                extra_body={"temperature": 0})
     assert m.usage.cache_read_input_tokens >= first.usage.prompt_tokens - 16
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == first.usage.prompt_tokens
+    # Completions with two prompts: cached tokens are summed over the prompts, streamed or not
+    two = ["The Tagus flows through Toledo and Lisbon. " * 12, "The Douro rises in Soria. " * 12]
+    oa.completions.create(model="m", prompt=two, max_tokens=2, temperature=0)
+    again = oa.completions.create(model="m", prompt=two, max_tokens=2, temperature=0)
+    chunks = list(oa.completions.create(model="m", prompt=two, max_tokens=2, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}))
+    streamed = chunks[-1].usage
+    assert streamed.prompt_tokens == again.usage.prompt_tokens > 64
+    assert streamed.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens \
+        >= again.usage.prompt_tokens - 32
     metrics = httpx.get(server_url + "/metrics", timeout=30).text
     hits = float(re.search(r"^infernix_prefix_cache_hit_tokens_total (\S+)$", metrics, re.M).group(1))
     assert hits >= cached + m.usage.cache_read_input_tokens
@@ -187,6 +263,7 @@ class Blk:
         rng = np.random.default_rng(seed)
         self.key, self.parent, self.tokens = key, parent, tokens
         self.k, self.v = rng.standard_normal((2, 3, 4, 8)).astype(np.float32), rng.standard_normal((2, 3, 4, 8)).astype(np.float32)
+        self.nbytes = self.k.nbytes + self.v.nbytes
 
     def arrays(self):
         return self.k, self.v
@@ -210,13 +287,20 @@ def test_ssd_records_round_trip_and_a_corrupt_one_is_a_miss(tmp_path):
         k, v = ssd.get(b.key).arrays()
         np.testing.assert_array_equal(k, b.k)
         np.testing.assert_array_equal(v, b.v)
-    off, n = ssd.index[4]
-    with open(ssd.path, "r+b") as f:               # flip one byte inside record 4's payload
-        f.seek(off + n // 2)
-        byte = f.read(1)
-        f.seek(off + n // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    assert ssd.get(4) is None and ssd.corrupt == 1 and 4 not in ssd
+    from infernix_jax.engine.ssd_tier import HEADER
+    where = {4: lambda n: n // 2,                  # inside the compressed payload
+             2: lambda n: HEADER.size + 1,         # a token
+             1: lambda n: n - 1}                   # the payload's checksum itself
+    for key, at in where.items():
+        off, n = ssd.index[key]
+        with open(ssd.path, "r+b") as f:           # flip one byte of the record
+            f.seek(off + at(n))
+            byte = f.read(1)
+            f.seek(off + at(n))
+            f.write(bytes([byte[0] ^ 0xFF]))
+    for key in where:
+        assert ssd.get(key) is None and key not in ssd
+    assert ssd.corrupt == 3
     assert ssd.get(5) is not None                  # its neighbours are fine
     ssd.close()
 
@@ -240,7 +324,8 @@ def test_ssd_write_budget_holds_and_the_ring_wraps(tmp_path):
     ssd.close()
 
 
-def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path):
+@pytest.mark.parametrize("disk", ["fast", "slow"])
+def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path, disk):
     system, prompts = texts
     per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
     eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
@@ -253,10 +338,63 @@ def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path):
         run(eng, [list(map(int, rng.integers(10, 40000, 100)))], n=2)
     eng.cache.ssd.flush()
     assert eng.cache.ssd.written_bytes > 0
+    if disk == "slow":      # measured: reading the SSD is slower than prefilling: compute instead
+        eng.cache.costs.read_bps, eng.cache.costs.prefill_tps = 1e3, 1e6
     got = run(eng, prompts[1:2])[0]
     assert got.token_ids == want[1]
-    assert got.cached_tokens == 70 and eng.cache.stats["ssd"] > 0
+    if disk == "fast":
+        assert got.cached_tokens == 70 and eng.cache.stats["ssd"] > 0
+        assert eng.cache.costs.read_bps > 0
+    else:
+        assert got.cached_tokens < 70 and eng.cache.stats["ssd"] == 0 and eng.cache.stats["ssd_skipped"] > 0
     eng.close()
+
+
+def test_ssd_read_runs_while_others_decode(tiny, texts, tmp_path):
+    import threading
+    system, prompts = texts
+    per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
+    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=1, max_model_len=128,
+                 kv_cache_gib=12 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB,
+                 ssd_context_gib=0.01, ssd_context_dir=str(tmp_path))
+    want = uncached(tiny, prompts[1:2])[0]
+    run(eng, prompts[:1])
+    rng = np.random.default_rng(9)
+    for _ in range(3):                             # the system prompt's blocks go down to the SSD
+        run(eng, [list(map(int, rng.integers(10, 40000, 100)))], n=2)
+    eng.cache.ssd.flush()
+    gate, read = threading.Event(), eng.cache.ssd.get_many
+    eng.cache.ssd.get_many = lambda keys: (gate.wait(30), read(keys))[1]      # a slow disk
+    other = eng.add(Request([5, 6, 7], greedy(30)))
+    eng.step()
+    seq = eng.add(Request(prompts[1], greedy()))
+    for _ in range(5):
+        eng.step()
+    assert seq.fetching is not None and not seq.admitted      # waiting for its read ...
+    assert len(other.out_ids) >= 5                            # ... while the other one decodes
+    gate.set()
+    seq.fetching.result(timeout=30)
+    eng.step()
+    assert seq.admitted and seq.num_cached == 70
+    while seq.status.name == "RUNNING" or other.status.name == "RUNNING":
+        eng.step()
+    assert seq.out_ids == want
+    eng.close()
+
+
+def test_costs_read_the_disk_only_when_it_beats_computing():
+    from infernix_jax.engine.prefix_cache import Costs
+    now = [0.0]
+    c = Costs(retry_s=600, clock=lambda: now[0])
+    assert c.disk_pays(10 ** 9, 1000)              # nothing measured yet: read
+    c.disk_read(10 ** 9, 1.0)                      # 1 GB/s
+    c.prefill(100, 1.0)                            # too short a step to count
+    assert c.prefill_tps is None
+    c.prefill(10_000, 1.0)                         # 10K tokens/s
+    assert not c.disk_pays(10 ** 9, 1000)          # 1 s to read vs 0.1 s to compute
+    assert c.disk_pays(10 ** 8, 10_000)            # 0.1 s to read vs 1 s to compute
+    now[0] = 601.0                                 # long since the last read: measure again
+    assert c.disk_pays(10 ** 9, 1000)
 
 
 def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog):

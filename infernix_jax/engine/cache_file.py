@@ -16,7 +16,7 @@ import zipfile
 import numpy as np
 
 log = logging.getLogger("infernix.cache")
-FORMAT = 1
+FORMAT = 2          # 2: SSD records check their payload with zstd's frame checksum
 
 
 def weights_identity(path) -> str:

@@ -8,6 +8,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import traceback
 
 import jax
@@ -101,6 +102,7 @@ class Engine:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
         self.runner = Runner(model, self.plan.num_blocks, block_size,
                              attn_impl or ("pallas" if on_gpu else "reference"), state_slots=max_num_seqs)
+        self.runner.max_context = self.max_context
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
@@ -126,7 +128,14 @@ class Engine:
         if ssd_gib > 0:
             from ..models.paged import num_attention_layers
             shape = (num_attention_layers(cfg), cfg.num_kv_heads, bs, cfg.head_dim)
-            ssd = SSDTier(ssd_dir, int(ssd_gib * GiB), ssd_per_hour, block_shape=shape, dtype=self.model.dtype)
+            layout = None
+            if self.hybrid:             # one snapshot: conv and ssm of each linear layer
+                from ..models.hybrid import state_shapes
+                (cs, cd), (ss, sd) = state_shapes(cfg, 1, self.model.dtype)
+                n_lin = cfg.num_layers - num_attention_layers(cfg)
+                layout = ([(cs[1:], cd)] * n_lin, [(ss[1:], sd)] * n_lin)
+            ssd = SSDTier(ssd_dir, int(ssd_gib * GiB), ssd_per_hour, block_shape=shape, dtype=self.model.dtype,
+                          state_layout=layout)
         cache = PrefixCache(self.bm, host, self.snapshots, self.hybrid,
                             block_bytes=self.plan.kv_bytes_per_token * bs, ssd=ssd)
         self.cache_file = path
@@ -150,6 +159,7 @@ class Engine:
             except OSError as e:
                 log.error("prefix cache: could not save %s: %s", path, e)
         if cache.ssd is not None:
+            cache.stop_reads()
             cache.ssd.flush()
             cache.ssd.close()
             cache.ssd = cache.host.on_drop = None
@@ -197,7 +207,10 @@ class Engine:
             return
         if self.cache is not None:
             self.runner.kv = self.cache.apply(self.runner.kv)
-        outs = self.runner.run(plan, k)
+        t = time.perf_counter()
+        outs = self.runner.run(plan, k)      # waits for the step's tokens
+        if self.cache is not None and k == 1:
+            self.cache.costs.prefill(sum(n for _, n in plan), time.perf_counter() - t)
         self._postprocess(plan, k, outs)
 
     def _drop_cancelled(self) -> None:
@@ -214,12 +227,16 @@ class Engine:
                 if seq.num_pending > 0:          # a prefill chunk that did not reach the end
                     self.bm.seal_full_blocks(seq)
                     continue
+            # tokens it may still emit: where the device stopped a hybrid's state updates (runner._ends)
+            rem = min(seq.params.max_tokens - len(seq.out_ids), self.max_context - len(seq))
             for j in range(len(out.ids)):
                 if k > 1:
                     seq.num_computed += 1
                 # Ending here drops the rest of the dispatch: KV slots are simply overwritten, but a
-                # hybrid's recurrent state has absorbed the dropped tokens (no snapshot of it then).
-                seq.state_dirty = j < len(out.ids) - 1
+                # hybrid's recurrent state has absorbed the dropped tokens (no snapshot of it then)
+                # unless the device saw the end too (a stop token or the length limit) and froze it.
+                device_end = int(out.ids[j]) in seq.stop_ids or j + 1 >= rem
+                seq.state_dirty = j < len(out.ids) - 1 and not device_end
                 if self._accept(seq, out, j):
                     # the loop guard injected </think>: a hybrid's state cannot be rewound, so the
                     # sequence is recomputed (rare; mostly out of the prefix cache).
@@ -353,7 +370,9 @@ class Engine:
                 self.step()
             except Exception as e:  # the engine survives: the step's requests fail, others go on
                 log.error("step failed: %s\n%s", e, traceback.format_exc())
-                for seq in [*self.scheduler.running]:
+                # the running ones, and any the failed schedule() had begun to admit (blocks taken)
+                hit = [*self.scheduler.running, *(s for s in self.scheduler.waiting if s.block_ids)]
+                for seq in hit:
                     if seq.req.on_event:
                         seq.req.on_event(Event("error", message=f"internal error: {type(e).__name__}: {e}"))
                     seq.state_dirty = True

@@ -1,57 +1,63 @@
 """The prefix cache's RAM tier: KV blocks the device evicted, kept in host memory under their
-prefix keys and brought back in one bulk copy instead of being recomputed.
+prefix keys and brought back instead of being recomputed.
 
-An evicted block is read off the device asynchronously (kv_blocks.read_blocks starts the copy) and
-only turned into numpy when it is needed or at the next step, so the copy overlaps the device's
-work. Entries are dropped least recently used first when the tier is over its limit. With
+Blocks live in pieces: the blocks read off the device together (kv_blocks.read_blocks), one JAX
+array per piece in the host's pinned memory (models/host_memory.py). Reading them out and bringing
+them back are then single asynchronous DMA copies, started on the device's thread without waiting
+for them, and nothing is copied on the host in between. A piece's memory goes when the last of its
+blocks leaves, and that is what the tier counts: `used` is the bytes of the pieces still held.
+Entries are dropped least recently used first when the tier is over its limit. With
 `resize="auto"`, `check_memory()` (called between steps, at most once a second) lowers the limit
 while the machine has less than `reserve` bytes of RAM available, and raises it back to the
 configured size once memory is free again; each change is logged."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
 import numpy as np
 import psutil
 
+from ..models.host_memory import put_host
+from ..models.kv_blocks import exact_pieces
+
 log = logging.getLogger("infernix.cache")
 GiB = 1 << 30
 
 
-class _Batch:
-    """Blocks read off the device together: k, v [n, L, nKV, bs, hd] device arrays -> numpy."""
+class Piece:
+    """Blocks that moved together: k, v [n, L, nKV, bs, hd] (host-memory JAX arrays or numpy)."""
+    __slots__ = ("k", "v", "nbytes", "live", "_np", "_lock")
 
     def __init__(self, k, v):
-        self._dev, self._host = (k, v), None
+        self.k, self.v = k, v
+        self.nbytes = 0                    # set by the tier: its rows times the block's bytes
+        self.live = 0                      # entries of the tier that still use it
+        self._np = None
+        self._lock = threading.Lock()
 
-    def ready(self) -> bool:
-        return self._host is not None or all(a.is_ready() for a in self._dev)
-
-    def host(self):
-        if self._host is None:
-            self._host = tuple(np.asarray(a) for a in self._dev)
-            self._dev = None
-        return self._host
+    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """The piece as numpy (waits for its copy off the device); kept once made. For the SSD
+        writer and the cache file, which serialize blocks."""
+        with self._lock:
+            if self._np is None:
+                self._np = (np.asarray(self.k), np.asarray(self.v))
+            return self._np
 
 
 class HostEntry:
-    __slots__ = ("key", "parent", "tokens", "_batch", "_col", "_k", "_v", "nbytes")
+    __slots__ = ("key", "parent", "tokens", "piece", "row", "nbytes")
 
-    def __init__(self, key: int, parent: int, tokens: tuple[int, ...], batch: _Batch, col: int, nbytes: int):
+    def __init__(self, key: int, parent: int, tokens: tuple[int, ...], piece: Piece, row: int, nbytes: int):
         self.key, self.parent, self.tokens = key, parent, tokens
-        self._batch, self._col, self._k, self._v = batch, col, None, None
-        self.nbytes = nbytes
+        self.piece, self.row, self.nbytes = piece, row, nbytes
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """k, v [L, nKV, bs, hd] of this block (waits for its copy from the device if still running)."""
-        if self._k is None:
-            k, v = self._batch.host()
-            # copies (one memcpy each, rows are contiguous): a view would keep the whole piece alive
-            self._k, self._v = k[self._col].copy(), v[self._col].copy()
-            self._batch = None
-        return self._k, self._v
+        """k, v [L, nKV, bs, hd] of this block as numpy (views of its piece)."""
+        k, v = self.piece.numpy()
+        return k[self.row], v[self.row]
 
 
 class HostTier:
@@ -67,8 +73,7 @@ class HostTier:
         self._last_check = 0.0
         self.entries: OrderedDict[int, HostEntry] = OrderedDict()
         self.children: dict[int, set[int]] = {}     # parent key -> keys of entries below it
-        self.used = 0
-        self._fresh: list[HostEntry] = []           # entries whose arrays are still on their way
+        self.used = 0                               # bytes of the pieces held
         self.captured = 0
         self.dropped = 0
         self.on_drop = None                         # callback(entry) when an entry leaves (the SSD tier)
@@ -89,41 +94,30 @@ class HostTier:
         return [self.entries[k] for k in self.children.get(parent, ())]
 
     def add(self, metas, k, v, block_bytes: int) -> None:
-        """Keep blocks read off the device: metas[i] describes row i of k, v."""
-        batch = _Batch(k, v)
-        for i, m in enumerate(metas):
-            if m.key in self.entries or block_bytes > self.limit:
+        """Keep blocks read off the device: metas[i] describes row i of the piece k, v (host-memory
+        arrays whose copy may still be running)."""
+        self._keep(Piece(k, v), [(m.key, m.parent, m.tokens) for m in metas], block_bytes)
+
+    def put_many(self, blocks: list) -> None:
+        """Keep blocks whose arrays are numpy (loaded from the cache file): (key, parent, tokens, k,
+        v), oldest first; stacked into pieces (one host copy each, not views of the file)."""
+        for lo, hi in exact_pieces(len(blocks)):        # power-of-two pieces, as kv_blocks moves them
+            part = blocks[lo:hi]
+            k, v = put_host((np.stack([b[3] for b in part]), np.stack([b[4] for b in part])))
+            self._keep(Piece(k, v), [(b[0], b[1], tuple(b[2])) for b in part], part[0][3].nbytes * 2)
+
+    def _keep(self, piece: Piece, rows: list, block_bytes: int) -> None:
+        piece.nbytes = len(rows) * block_bytes
+        for i, (key, parent, tokens) in enumerate(rows):
+            if key in self.entries:
                 continue
-            e = HostEntry(m.key, m.parent, m.tokens, batch, i, block_bytes)
-            self.entries[m.key] = e
-            self.children.setdefault(m.parent, set()).add(m.key)
-            self.used += block_bytes
-            self._fresh.append(e)
+            self.entries[key] = HostEntry(key, parent, tokens, piece, i, block_bytes)
+            self.children.setdefault(parent, set()).add(key)
+            piece.live += 1
             self.captured += 1
-        self._shrink_to(self.limit)
-
-    def put(self, key: int, parent: int, tokens: tuple, k: np.ndarray, v: np.ndarray) -> None:
-        """Keep a block whose arrays are already in host memory (loaded from the cache file)."""
-        nbytes = k.nbytes + v.nbytes
-        if key in self.entries or self.used + nbytes > self.limit:
-            return
-        e = HostEntry(key, parent, tuple(tokens), None, 0, nbytes)
-        e._k, e._v = np.array(k), np.array(v)        # own copies: not views of the loaded file
-        self.entries[key] = e
-        self.children.setdefault(parent, set()).add(key)
-        self.used += nbytes
-
-    def settle(self) -> None:
-        """Turn device reads that have finished into numpy (and free their device buffers); the
-        others are left for a later call, so this never waits for the device."""
-        waiting = []
-        for e in self._fresh:
-            if e._batch is not None and e.key in self.entries:
-                if e._batch.ready():
-                    e.arrays()
-                else:
-                    waiting.append(e)
-        self._fresh = waiting
+        if piece.live:
+            self.used += piece.nbytes
+            self._shrink_to(self.limit)
 
     def _drop(self, key: int) -> None:
         e = self.entries.pop(key)
@@ -131,11 +125,12 @@ class HostTier:
         kids.discard(key)
         if not kids:
             del self.children[e.parent]
-        self.used -= e.nbytes
+        e.piece.live -= 1
+        if e.piece.live == 0:
+            self.used -= e.piece.nbytes
         self.dropped += 1
         if self.on_drop is not None:
-            e.arrays()                 # here, on the device's thread: the SSD writer only reads numpy
-            self.on_drop(e)
+            self.on_drop(e)            # the SSD writer reads its arrays on its own thread
 
     def _shrink_to(self, limit: int) -> None:
         while self.used > limit and self.entries:

@@ -7,14 +7,17 @@ a hybrid cannot resume: a hybrid resumes at the deepest prefix that has a snapsh
 partly matching block is copied (copy-on-write: the sequence writes into it). The prompt's last
 token is always computed (its logits start the output).
 
-The scheduler asks `lookup` (no side effects), `fetch`es the hit's SSD blocks when it is about to
-admit the sequence (a record that fails its checksum ends the hit there), then `commit`s it;
+The scheduler asks `lookup` (no side effects); when it is about to admit a sequence whose hit has
+blocks on the SSD, `start_fetch` reads them on a background thread (other sequences keep stepping)
+and the sequence is looked up again once they are staged on it (a record that fails its checksum
+ends the hit there); then the scheduler `commit`s the hit;
 the device work that implies (reading evicted blocks out, writing blocks back, block copies, state
 restores) is queued and done by `apply` just before the step, in an order that keeps every read
 ahead of the writes that could clobber it."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -34,7 +37,7 @@ class Hit:
 
     @property
     def on_disk(self) -> bool:
-        return any(isinstance(e, OnDisk) for _, e, _ in self.full) or \
+        return any(isinstance(e, OnDisk) for _, e, _ in self.full) or isinstance(self.snapshot, OnDisk) or \
             (self.tail is not None and isinstance(self.tail[1], OnDisk))
 
     @property
@@ -44,10 +47,41 @@ class Hit:
 
 @dataclasses.dataclass
 class OnDisk:
-    """A block the SSD tier holds (read by fetch)."""
+    """A block (or, with parent None, a state snapshot) the SSD tier holds (read by start_fetch)."""
     key: int
     parent: int
     tokens: tuple
+
+
+class Costs:
+    """Whether reading blocks off the SSD beats computing them: running means of the SSD tier's
+    read speed (bytes/s, from its reads) and of prefill speed (tokens/s, from the engine's steps).
+    Until both are known, read. A decision to compute is revisited every `retry_s` seconds with a
+    real read (the disk, or what the page cache holds of it, may have become faster)."""
+
+    def __init__(self, retry_s: float = 600.0, clock=time.monotonic):
+        self.read_bps = self.prefill_tps = None
+        self.retry_s, self._clock, self._last_read = retry_s, clock, clock()
+
+    @staticmethod
+    def _mean(old, new):
+        return new if old is None else 0.7 * old + 0.3 * new
+
+    def disk_read(self, nbytes: int, seconds: float) -> None:
+        self._last_read = self._clock()
+        if nbytes > 0 and seconds > 0:
+            self.read_bps = self._mean(self.read_bps, nbytes / seconds)
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 256 and seconds > 0:            # long enough to be about compute, not overhead
+            self.prefill_tps = self._mean(self.prefill_tps, tokens / seconds)
+
+    def disk_pays(self, nbytes: int, tokens: int) -> bool:
+        if self.read_bps is None or self.prefill_tps is None:
+            return True
+        if self._clock() - self._last_read > self.retry_s:
+            return True
+        return nbytes / self.read_bps < tokens / self.prefill_tps
 
 
 def _common(a, b) -> int:
@@ -66,6 +100,8 @@ class PrefixCache:
         self.ssd = ssd
         if ssd is not None:
             host.on_drop = ssd.put                 # what the RAM tier gives up goes down to the SSD
+            if snapshots is not None:
+                snapshots.on_drop = ssd.put_snapshot
         self.snapshots = snapshots
         self.hybrid = hybrid
         self.block_bytes = block_bytes            # one block's K and V over all attention layers
@@ -74,7 +110,10 @@ class PrefixCache:
         self._uploads: list[tuple[int, HostEntry]] = []
         self._copies: list[tuple[int, int]] = []
         self._restores: list = []                 # (seq, snapshot)
-        self.stats = {"queried": 0, "device": 0, "ram": 0, "ssd": 0}    # prompt tokens looked up / reused per tier
+        self.stats = {"queried": 0, "device": 0, "ram": 0, "ssd": 0,      # prompt tokens looked up / reused per tier
+                      "ssd_skipped": 0}                               # ... found on the SSD but computed (costs)
+        self.costs = Costs()
+        self._reader = None                        # the thread that reads the SSD tier for admissions
 
     # ---- lookup and commit (scheduler, at admission) -------------------------------------------
     def lookup(self, seq) -> Hit | None:
@@ -86,17 +125,17 @@ class PrefixCache:
             key = chain_key(parent, tokens[j * bs:(j + 1) * bs])
             b = bm.by_key.get(key)
             e = host.get(key) if b is None and host is not None else None
-            if b is None and e is None and self.ssd is not None and key in self.ssd:
-                e = OnDisk(key, parent, tuple(tokens[j * bs:(j + 1) * bs]))
+            if b is None and e is None:
+                e = self._disk(seq, key, parent, tokens[j * bs:(j + 1) * bs])
             if b is None and e is None:
                 break
             full.append((b, e, key))
             parent, j = key, j + 1
         want = tokens[j * bs:min((j + 1) * bs, cap)]
-        tail = self._best_tail(parent, want)
+        tail = self._best_tail(seq, parent, want)
         snap = None
         if self.hybrid:                            # resume only where a state snapshot exists
-            full, tail, snap = self._deepest_snapshot(full, tail, want)
+            full, tail, snap = self._deepest_snapshot(seq, full, tail)
         return self._hit(full, tail, snap)
 
     def _hit(self, full, tail, snap) -> Hit | None:
@@ -108,7 +147,16 @@ class PrefixCache:
         pinned += tail is not None and tail[0] is not None and ref[tail[0]] == 0
         return Hit(full, tail, snap, n, int(pinned))
 
-    def _best_tail(self, parent: int, want) -> tuple | None:
+    def _disk(self, seq, key: int, parent: int, tokens):
+        """A block the SSD tier holds: read for seq already (its entry; None if the read failed),
+        or OnDisk, to read (only once per sequence: after a read, what is still on disk is a miss)."""
+        if seq.staged is not None:
+            return seq.staged.get(key)
+        if self.ssd is not None and key in self.ssd:
+            return OnDisk(key, parent, tuple(tokens))
+        return None
+
+    def _best_tail(self, seq, parent: int, want) -> tuple | None:
         """The cached block below `parent` sharing the longest start with `want`: (block, entry, m)."""
         best = (None, None, 0)
         if not want:
@@ -126,48 +174,88 @@ class PrefixCache:
             for key, toks in self.ssd.below(parent):
                 m = _common(toks, want)
                 if m > best[2]:
-                    best = (None, OnDisk(key, parent, toks), m)
+                    e = self._disk(seq, key, parent, toks)
+                    if e is not None:
+                        best = (None, e, m)
         return best if best[2] else None
 
-    def _deepest_snapshot(self, full, tail, want):
-        snaps = self.snapshots
-        if snaps is None:
+    def _snapshot(self, seq, key: int, disk: bool):
+        """The snapshot after the prefix `key`: in RAM, read for seq already, or OnDisk (if disk)."""
+        snap = self.snapshots.get(key)
+        if snap is None and seq.staged is not None:
+            snap = seq.staged.get(("snap", key))
+        elif snap is None and disk and self.ssd is not None and self.ssd.has_snapshot(key):
+            snap = OnDisk(key, None, ())
+        return snap
+
+    def _deepest_snapshot(self, seq, full, tail, disk: bool = True):
+        if self.snapshots is None:
             return [], None, None
+        snaps = lambda key: self._snapshot(seq, key, disk)  # noqa: E731
         if tail is not None:
             b, e, m = tail
             key = self.bm.meta[b].key if b is not None else e.key
             toks = self.bm.meta[b].tokens if b is not None else e.tokens
-            snap = snaps.get(key) if m == len(toks) else None    # the snapshot holds the whole block's tokens
+            snap = snaps(key) if m == len(toks) else None    # the snapshot holds the whole block's tokens
             if snap is not None:
                 return full, tail, snap
         for d in range(len(full), 0, -1):
-            snap = snaps.get(full[d - 1][2])
+            snap = snaps(full[d - 1][2])
             if snap is not None:
                 return full[:d], None, snap
         return [], None, None
 
-    def fetch(self, hit: Hit) -> Hit | None:
-        """Read the hit's SSD blocks; the hit ends before the first one that cannot be read."""
-        if not hit.on_disk:
-            return hit
+    def start_fetch(self, seq, hit: Hit) -> bool:
+        """Start reading the hit's SSD blocks in the background (True), unless reading them is
+        expected to be slower than computing them (False: the caller drops them, drop_disk).
+        When the read is done, seq.staged holds what it got and lookup finds it there."""
         want = [e.key for _, e, _ in hit.full if isinstance(e, OnDisk)]
         if hit.tail is not None and isinstance(hit.tail[1], OnDisk):
             want.append(hit.tail[1].key)
-        read = dict(zip(want, self.ssd.get_many(want)))
+        snap = hit.snapshot.key if isinstance(hit.snapshot, OnDisk) else None
+        if not self.costs.disk_pays(len(want) * self.block_bytes, len(want) * self.bm.block_size):
+            self.stats["ssd_skipped"] += len(want) * self.bm.block_size
+            return False
+        if self._reader is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infernix-ssd-read")
+        seq.fetching = self._reader.submit(self._read, want, snap)
+        return True
+
+    def _read(self, keys: list[int], snap: int | None) -> dict:
+        t = time.perf_counter()
+        got = dict(zip(keys, self.ssd.get_many(keys)))
+        self.costs.disk_read(sum(e is not None for e in got.values()) * self.block_bytes, time.perf_counter() - t)
+        if snap is not None:
+            got[("snap", snap)] = self.ssd.get_snapshot(snap)
+        return got
+
+    def take_fetched(self, seq) -> None:
+        """The read started for seq is done: stage what it got (a failed read is all misses)."""
+        try:
+            seq.staged = seq.fetching.result()
+        except Exception:  # noqa: BLE001 - a failing disk is a miss, never a dead engine
+            seq.staged = {}
+        seq.fetching = None
+
+    def stop_reads(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+
+    def drop_disk(self, seq, hit: Hit) -> Hit | None:
+        """The hit up to its first block (or snapshot) on the SSD."""
         full, tail = [], hit.tail
         for b, e, key in hit.full:
             if isinstance(e, OnDisk):
-                e = read[key]
-                if e is None:
-                    tail = None
-                    break
+                tail = None
+                break
             full.append((b, e, key))
         if tail is not None and isinstance(tail[1], OnDisk):
-            e = read[tail[1].key]
-            tail = None if e is None else (None, e, tail[2])
+            tail = None
         snap = hit.snapshot
-        if self.hybrid and (len(full) < len(hit.full) or (tail is None) != (hit.tail is None)):
-            full, tail, snap = self._deepest_snapshot(full, tail, ())
+        if self.hybrid:
+            full, tail, snap = self._deepest_snapshot(seq, full, tail, disk=False)
         return self._hit(full, tail, snap)
 
     def commit(self, seq, hit: Hit) -> None:
@@ -204,6 +292,7 @@ class PrefixCache:
         if hit.snapshot is not None:
             self._restores.append((seq, hit.snapshot))
         seq.num_computed = hit.tokens
+        seq.staged = None
         if not seq.admitted:                       # usage reports the first admission's hit
             seq.num_cached = hit.tokens
 
@@ -219,19 +308,15 @@ class PrefixCache:
             self._evicted.append((b, meta))
 
     def apply(self, kv):
-        """Do the queued device work; kv is donated: use the returned one."""
-        host = self.host
-        if host is not None:
-            host.settle()
-            if self._evicted:
-                pieces = kv_blocks.read_blocks(kv, [b for b, _ in self._evicted])
-                for p, (k, v) in enumerate(pieces):
-                    metas = [m for _, m in self._evicted[p * kv_blocks.CHUNK:(p + 1) * kv_blocks.CHUNK]]
-                    host.add(metas, k, v, self.block_bytes)
-                self._evicted = []
+        """Do the queued device work; kv is donated: use the returned one. Nothing here waits for
+        the device: copies out and in are started and overlap the step that follows."""
+        if self.host is not None and self._evicted:
+            ev = self._evicted
+            for k, v, lo, hi in kv_blocks.read_blocks(kv, [b for b, _ in ev]):
+                self.host.add([m for _, m in ev[lo:hi]], k, v, self.block_bytes)
+            self._evicted = []
         if self._uploads:
-            ups = self._uploads
-            kv = kv_blocks.write_blocks(kv, [b for b, _ in ups], lambda i: ups[i][1].arrays())
+            kv = self._upload(kv, self._uploads)
             self._uploads = []
         if self._copies:
             kv = kv_blocks.copy_blocks(kv, self._copies)
@@ -245,20 +330,38 @@ class PrefixCache:
             self._restores = []
         return kv
 
+    @staticmethod
+    def _upload(kv, ups: list):
+        """Write (device block, entry) pairs: RAM-tier blocks one transfer per piece they lie in,
+        blocks read from the SSD stacked into pieces first."""
+        by_piece, loose = {}, []
+        for b, e in ups:
+            if isinstance(e, HostEntry):
+                by_piece.setdefault(id(e.piece), (e.piece, [], []))
+                _, rows, dst = by_piece[id(e.piece)]
+                rows.append(e.row)
+                dst.append(b)
+            else:
+                loose.append((b, e.arrays()))
+        for piece, rows, dst in by_piece.values():
+            kv = kv_blocks.write_rows(kv, piece.k, piece.v, rows, dst)
+        for k, v, lo, hi in kv_blocks.stack_pieces([a for _, a in loose]):
+            kv = kv_blocks.write_rows(kv, k, v, list(range(hi - lo)), [b for b, _ in loose[lo:hi]])
+        return kv
+
     # ---- across restarts (cache_file) ----------------------------------------------------------
     def save(self, path: str, fp: dict, kv, cap_bytes: int) -> int:
         """Write the device's cached blocks, then the RAM tier's (newest first), up to cap_bytes."""
         blocks, used = [], 0
         dev = [b for b, m in self.bm.meta.items() if self.host is None or m.key not in self.host]
         dev = dev[:max(0, cap_bytes // max(1, self.block_bytes))]
-        for p, (k, v) in enumerate(kv_blocks.read_blocks(kv, dev)):
+        for k, v, lo, hi in kv_blocks.read_blocks(kv, dev):
             k, v = np.asarray(k), np.asarray(v)
-            for i, b in enumerate(dev[p * kv_blocks.CHUNK:(p + 1) * kv_blocks.CHUNK]):
+            for i, b in enumerate(dev[lo:hi]):
                 m = self.bm.meta[b]
                 blocks.append((m.key, m.parent, m.tokens, k[i], v[i]))
                 used += self.block_bytes
         if self.host is not None:
-            self.host.settle()
             for e in reversed(self.host.entries.values()):
                 if used + e.nbytes > cap_bytes:
                     break
@@ -272,8 +375,7 @@ class PrefixCache:
         saved = cache_file.load(path, fp, dtype)
         if saved is None:
             return 0
-        for key, parent, tokens, k, v in reversed(saved["blocks"]):      # the newest end up newest
-            self.host.put(key, parent, tokens, k, v)
+        self.host.put_many(saved["blocks"][::-1])        # oldest first: the newest end up newest
         if self.snapshots is not None:
             from ..models.hybrid_paged import StateSnapshot
             for key, n, conv, ssm in saved["snapshots"]:

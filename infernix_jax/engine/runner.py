@@ -30,6 +30,7 @@ class Runner:
         self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
         self.hybrid = bool(self.cfg.layer_types)
         self.state_slots = state_slots if self.hybrid else 0
+        self.max_context = 0          # set by the engine: outputs end there (see _ends)
         self.reset_kv()
 
     def reset_kv(self) -> None:
@@ -179,9 +180,24 @@ class Runner:
                                           self._block_table(seqs, B), valid, st, sampling, num_steps=k,
                                           attn_impl=self.attn_impl, want_top=want_top,
                                           penalties=self._penalties(seqs, B), guard=self._guard(seqs, B),
-                                          rows=self._state_rows([(s, 1) for s in seqs], B, B))
+                                          rows=self._state_rows([(s, 1) for s in seqs], B, B),
+                                          **self._ends(seqs, B))
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
         return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
+
+    def _ends(self, seqs: list[Sequence], B: int) -> dict:
+        """Hybrids: where each row's output ends on the device (decode_steps freezes its state there):
+        its stop token ids and the tokens it may still emit (max_tokens, the context)."""
+        if not self.hybrid:
+            return {}
+        W = steps.bucket(max((len(s.stop_ids) for s in seqs), default=1), minimum=4)
+        stop_ids, remaining = np.full((B, W), -1, np.int32), np.zeros((B,), np.int32)
+        for i, s in enumerate(seqs):
+            stop_ids[i, :len(s.stop_ids)] = sorted(s.stop_ids)
+            remaining[i] = s.params.max_tokens - len(s.out_ids)
+            if self.max_context:
+                remaining[i] = min(remaining[i], self.max_context - len(s))
+        return {"stop_ids": stop_ids, "remaining": remaining}
 
     def warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int,
                max_prefill_rows: int | None = None) -> int:
@@ -210,7 +226,8 @@ class Runner:
                     _, self.kv = steps.decode_steps(
                         self.params, self.cfg, self.kv, zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
                         sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False,
-                        penalties=None, guard=self._guard([], B), rows=self._warmup_rows(B, B, 0)[0])
+                        penalties=None, guard=self._guard([], B), rows=self._warmup_rows(B, B, 0)[0],
+                        **self._ends([], B))
                     n += 1
         jax.block_until_ready(self.kv.k[0])
         return n

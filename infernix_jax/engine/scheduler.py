@@ -144,10 +144,16 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, plan, budget: int) -> int:
         """Tokens to feed a waiting sequence if it can start now (taking its cached prefix), else 0."""
+        if seq.fetching is not None:        # its SSD read runs in the background; the others step on
+            if not seq.fetching.done() and (plan or self.running):
+                return 0
+            self.cache.take_fetched(seq)     # (waits for it when nothing else could run meanwhile)
         hit = self.cache.lookup(seq) if self.cache is not None and not seq.block_ids else None
         n = self._fits(seq, plan, budget, hit)
         if n and hit is not None and hit.on_disk:           # read the SSD only when about to admit
-            hit = self.cache.fetch(hit)
+            if self.cache.start_fetch(seq, hit):
+                return self._admit(seq, plan, budget)      # once: after the read nothing is on disk
+            hit = self.cache.drop_disk(seq, hit)                 # reading is slower than computing here
             n = self._fits(seq, plan, budget, hit)
         if n == 0:
             return 0

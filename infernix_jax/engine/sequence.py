@@ -32,6 +32,8 @@ class Sequence:
         self.turn_start = 0.0                 # fair service: when its current turn began (admission)
         self.turn_out: float | None = None    # ... and when its first output token of the turn came
         self.admitted = False                 # started at least once (preemption and turns restart it)
+        self.fetching = None                  # a Future of the SSD read started for its cache hit
+        self.staged = None                    # {key: block read off the SSD, or None} for that hit
         self.num_computed = 0                 # tokens whose K/V are in the cache
         self.state_slot: int | None = None    # hybrids: the sequence's slot in the state pool
         self.finish_reason: str | None = None

@@ -21,6 +21,7 @@ class SnapshotStore:
         self.interval = interval
         self._snaps: OrderedDict[int, StateSnapshot] = OrderedDict()
         self.taken = 0
+        self.on_drop = None               # callback(key, snapshot) for those given up (the SSD tier)
 
     def after_chunk(self, seq, kv, bm) -> None:
         """Called after a step fed seq a chunk (its blocks sealed): snapshot on a boundary."""
@@ -40,14 +41,18 @@ class SnapshotStore:
             return
         self._snaps[key] = take_snapshot(kv, seq.state_slot, n).to_host()
         self.taken += 1
-        while len(self._snaps) > self.capacity:
-            self._snaps.popitem(last=False)
+        self._trim()
 
     def put(self, key: int, snap: StateSnapshot) -> None:
         self._snaps[key] = snap
         self._snaps.move_to_end(key)
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self._snaps) > self.capacity:
-            self._snaps.popitem(last=False)
+            key, snap = self._snaps.popitem(last=False)
+            if self.on_drop is not None:
+                self.on_drop(key, snap)
 
     def items(self) -> list:
         return list(self._snaps.items())

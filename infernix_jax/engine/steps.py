@@ -40,21 +40,31 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
 @partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "want_top"), donate_argnames=("kv",))
 def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
                  sampling: SamplingArrays, num_steps: int, attn_impl: str = "reference", want_top: bool = False,
-                 penalties: Penalties | None = None, guard: ThinkGuard | None = None, rows=None):
+                 penalties: Penalties | None = None, guard: ThinkGuard | None = None, rows=None,
+                 stop_ids=None, remaining=None):
     """num_steps decode steps in one dispatch. tokens (each row's last sampled token), positions (its
     position), steps [B]; valid [B] bool marks real rows; rows: hybrids' StateRows (row i's token is
-    flat index i at every step). Returns per-step outputs stacked [num_steps, B]."""
+    flat index i at every step). Returns per-step outputs stacked [num_steps, B].
+
+    Hybrids: stop_ids [B, W] (padded with -1) and remaining [B] (tokens the row may still emit) end a
+    row's state updates on the step that draws a stop token or its last allowed token, so the state
+    it leaves is exactly that of its output, which the prefix cache can snapshot when it finishes
+    inside the dispatch (the tokens drawn after it are dropped by the host anyway)."""
     bs = kv.block_size
     dropped = kv.num_blocks * bs
     B = tokens.shape[0]
     dense = None if penalties is None else penalties.dense(B, params["embed"].shape[0])
+    freeze = rows is not None and stop_ids is not None
 
-    def one(carry, _):
-        kv, tok, pos, st, dense, guard = carry
+    def one(carry, j):
+        kv, tok, pos, st, dense, guard, alive = carry
         blk = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
         slots = jnp.where(valid, blk * bs + pos % bs, dropped)
         kv_lens = jnp.where(valid, pos + 1, 1)
-        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, attn_impl, rows)
+        r = rows
+        if freeze:                     # an ended row's state slot is out of range: its writes are dropped
+            r = rows.replace(dec_slot=jnp.where(alive, rows.dec_slot, kv.conv[0].shape[0]))
+        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, attn_impl, r)
         pen = None if dense is None else (*dense, penalties)
         out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, pen, guard=guard)
         if guard is not None:
@@ -63,9 +73,11 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
             counts, seen = dense
             ids = jnp.arange(B)
             dense = (counts.at[ids, out[0]].add(1), seen.at[ids, out[0]].set(True))
-        return (kv, out[0], pos + 1, st + 1, dense, guard), out
+        if freeze:
+            alive = alive & ~((out[0][:, None] == stop_ids).any(-1) | (j + 1 >= remaining))
+        return (kv, out[0], pos + 1, st + 1, dense, guard, alive), out
 
-    (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard), None, length=num_steps)
+    (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard, valid), jnp.arange(num_steps))
     return outs, kv
 
 

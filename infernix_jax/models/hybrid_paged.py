@@ -24,6 +24,7 @@ from flax import struct
 from ..config import ModelConfig
 from .hybrid import gated_attention, gdn_core, gdn_inputs, gdn_output, hybrid_mlp, rms_norm_1p
 from .paged import PagedKV, paged_attend
+from .host_memory import to_device, to_host
 
 
 @struct.dataclass
@@ -106,16 +107,18 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
 @struct.dataclass
 class StateSnapshot:
     """One sequence's recurrent state after its first num_tokens tokens: conv[j] [K-1, C] and
-    ssm[j] [Hv, dk, dv] fp32 per linear layer. The arrays are device arrays (take_snapshot) or numpy
-    (to_host); restore_snapshot takes either. The attention layers' K/V of the same prefix are
+    ssm[j] [Hv, dk, dv] fp32 per linear layer. The arrays are device arrays (take_snapshot), arrays
+    in host memory (to_host: the copy runs in the background) or numpy (loaded from a file);
+    restore_snapshot takes any of them. The attention layers' K/V of the same prefix are
     ordinary blocks, found by the block hashes: a snapshot pairs with the hash of its last block."""
     conv: tuple
     ssm: tuple
     num_tokens: int = struct.field(pytree_node=False)
 
     def to_host(self) -> "StateSnapshot":
-        conv, ssm = jax.device_get((self.conv, self.ssm))
-        return StateSnapshot(tuple(np.asarray(c) for c in conv), tuple(np.asarray(s) for s in ssm), self.num_tokens)
+        """A copy in host memory (models/host_memory.py), started without waiting for it."""
+        conv, ssm = to_host((self.conv, self.ssm))
+        return StateSnapshot(conv, ssm, self.num_tokens)
 
     @property
     def nbytes(self) -> int:
@@ -144,4 +147,5 @@ def restore_snapshot(kv: PagedKV, slot: int, snap: StateSnapshot) -> PagedKV:
     if len(snap.conv) != len(kv.conv) or any(a.shape != c.shape[1:] for a, c in zip(snap.conv, kv.conv)) \
             or any(a.shape != s.shape[1:] for a, s in zip(snap.ssm, kv.ssm)):
         raise ValueError("the snapshot does not match this model's state shapes")
-    return _scatter_slot(kv, jnp.int32(slot), snap.conv, snap.ssm)
+    conv, ssm = to_device((snap.conv, snap.ssm), next(iter(kv.conv[0].devices())))
+    return _scatter_slot(kv, jnp.int32(slot), conv, ssm)

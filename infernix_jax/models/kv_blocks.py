@@ -1,9 +1,12 @@
 """Whole-block moves in the paged KV pool, for the prefix cache: read blocks out (to keep them in
 host memory when the device evicts them), write blocks in (bring them back), and copy one block to
-another (copy-on-write reuse of a partly matching block). Moves go in pieces of at most CHUNK
-blocks, each padded to a power of two, so that a long-running server compiles a handful of shapes
-and a long prefix wastes little on padding; padding ids point past the pool and are dropped on
-writes."""
+another (copy-on-write reuse of a partly matching block).
+
+Blocks move in pieces of a power-of-two number of blocks, at most CHUNK: a read of n blocks is
+split by n's binary digits (300 = 256 + 32 + 8 + 4), so a piece kept in host memory holds no
+padding, and a long-running server compiles a handful of shapes. A piece is block-major
+[n, L, nKV, bs, hd], so one block is one contiguous row of it. Padding ids on writes point past
+the pool and are dropped."""
 from __future__ import annotations
 
 from functools import partial
@@ -12,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .host_memory import to_device, to_host
 from .paged import PagedKV
 
 
@@ -22,55 +26,67 @@ def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _pieces(n: int):
-    for lo in range(0, n, CHUNK):
-        yield lo, min(n, lo + CHUNK)
+def exact_pieces(n: int):
+    """(lo, hi) covering range(n) with power-of-two lengths of at most CHUNK, largest first."""
+    lo = 0
+    while lo < n:
+        size = min(CHUNK, 1 << ((n - lo).bit_length() - 1))
+        yield lo, lo + size
+        lo += size
 
 
 @jax.jit
 def _gather(k, v, ids):
-    # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]: block-major, so that each block is one
-    # contiguous piece of host memory
+    # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]
     return tuple(jnp.stack([x[:, ids] for x in a], 1).transpose(2, 1, 0, 3, 4) for a in (k, v))
 
 
 def read_blocks(kv: PagedKV, ids: list[int]) -> list:
-    """[(k, v)] device arrays per piece of ids, each [n_padded, L, nKV, bs, hd]; row i of piece p
-    is block ids[p * CHUNK + i]. The copies to the host start here and overlap the device's next work."""
+    """[(k, v, lo, hi)] per piece: blocks ids[lo:hi] as [hi - lo, L, nKV, bs, hd] arrays in host
+    memory. The copies are started here and overlap the device's next work."""
     out = []
-    for lo, hi in _pieces(len(ids)):
-        idx = np.zeros((_bucket(hi - lo),), np.int32)
-        idx[:hi - lo] = ids[lo:hi]
-        k, v = _gather(kv.k, kv.v, idx)
-        for a in (k, v):
-            a.copy_to_host_async()
-        out.append((k, v))
+    for lo, hi in exact_pieces(len(ids)):
+        k, v = _gather(kv.k, kv.v, np.asarray(ids[lo:hi], np.int32))
+        k, v = to_host((k, v))
+        out.append((k, v, lo, hi))
     return out
 
 
 @partial(jax.jit, donate_argnames=("kv",))
-def _scatter(kv: PagedKV, ids, k, v):
-    # k, v [n, L, nKV, bs, hd] -> layer j's [nKV, n, bs, hd] at blocks ids
+def _scatter(kv: PagedKV, k, v, rows, dst):
+    # rows of k, v [n, L, nKV, bs, hd] -> layer j's [nKV, P, bs, hd] at blocks dst (past P: dropped)
     def put(pool, new):
-        return tuple(x.at[:, ids].set(new[:, j].swapaxes(0, 1).astype(x.dtype), mode="drop")
+        new = new[rows]
+        return tuple(x.at[:, dst].set(new[:, j].swapaxes(0, 1).astype(x.dtype), mode="drop")
                      for j, x in enumerate(pool))
     return kv.replace(k=put(kv.k, k), v=put(kv.v, v))
 
 
-def write_blocks(kv: PagedKV, ids: list[int], arrays) -> PagedKV:
-    """Write host blocks into blocks ids; arrays(i) -> (k, v) [L, nKV, bs, hd] of block ids[i]. Each
-    piece is gathered into one host buffer and sent in one transfer; kv is donated."""
-    P = kv.num_blocks
-    for lo, hi in _pieces(len(ids)):
+def write_rows(kv: PagedKV, k, v, rows: list[int], dst: list[int]) -> PagedKV:
+    """Write rows of one piece (k, v [n, L, nKV, bs, hd], n a power of two, in host memory or
+    numpy) into blocks dst; the piece goes to the device in one transfer. kv is donated."""
+    n, P = k.shape[0], kv.num_blocks
+    assert n == _bucket(n) and len(rows) == len(dst) <= n, (n, len(rows))
+    r, d = np.zeros((n,), np.int32), np.full((n,), P, np.int32)
+    r[:len(rows)], d[:len(dst)] = rows, dst
+    dev = next(iter(kv.k[0].devices()))
+    k, v = to_device((k, v), dev)
+    return _scatter(kv, k, v, r, d)
+
+
+def stack_pieces(blocks: list) -> list:
+    """Group host blocks ((k, v) numpy [L, nKV, bs, hd] each) into numpy pieces for write_rows:
+    [(k, v, lo, hi)], each piece padded to a power of two rows."""
+    out = []
+    for lo in range(0, len(blocks), CHUNK):
+        hi = min(len(blocks), lo + CHUNK)
+        k0 = blocks[lo][0]
         n = _bucket(hi - lo)
-        idx = np.full((n,), P, np.int32)
-        idx[:hi - lo] = ids[lo:hi]
-        k0, _ = arrays(lo)
-        k, v = np.empty((n, *k0.shape), k0.dtype), np.empty((n, *k0.shape), k0.dtype)   # padding rows: dropped
+        k, v = np.empty((n, *k0.shape), k0.dtype), np.empty((n, *k0.shape), k0.dtype)
         for i in range(lo, hi):
-            k[i - lo], v[i - lo] = arrays(i)
-        kv = _scatter(kv, idx, k, v)
-    return kv
+            k[i - lo], v[i - lo] = blocks[i]
+        out.append((k, v, lo, hi))
+    return out
 
 
 @partial(jax.jit, donate_argnames=("kv",))
