@@ -251,7 +251,8 @@ def stream_end(meta: dict, obj: str, done: list, prompt_tokens: int, n: int | No
     several prompts): cached tokens are summed over prompts; else all choices share one prompt."""
     out = []
     if meta["include_usage"] and all(done):
-        cached = sum(d.cached_tokens for d in done[::n]) if n else min(d.cached_tokens for d in done)
+        cached = sum(min(d.cached_tokens for d in done[i:i + n]) for i in range(0, len(done), n)) if n \
+            else min(d.cached_tokens for d in done)
         body = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"], "choices": [],
                 "usage": usage(prompt_tokens, sum(d.completion_tokens for d in done), cached)}
         out.append("data: " + json.dumps(body) + "\n\n")

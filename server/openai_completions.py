@@ -99,7 +99,8 @@ def body_of(meta, results: list[tuple[str, str, list, list, Done]], tokenizer, n
     prompt_tokens = sum(len(p) for p in meta["prompts"])
     return {"id": meta["id"], "object": "text_completion", "created": meta["created"], "model": meta["model"],
             "choices": choices, "usage": usage(prompt_tokens, sum(r[4].completion_tokens for r in results),
-                                               sum(results[i * n][4].cached_tokens for i in range(len(meta["prompts"]))))}
+                                               sum(min(r[4].cached_tokens for r in results[i:i + n])
+                                                   for i in range(0, len(results), n)))}
 
 
 class StreamRenderer:

@@ -19,7 +19,7 @@ from .block_manager import BlockManager, root_key
 from .host_tier import GiB, HostTier
 from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan
 from .request import Event, Request, Result, SamplingParams
-from .runner import Runner, StepOutput
+from .runner import STOP_WIDTH, Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
 from . import cache_file
 from .prefix_cache import PrefixCache
@@ -235,12 +235,12 @@ class Engine:
                 # Ending here drops the rest of the dispatch: KV slots are simply overwritten, but a
                 # hybrid's recurrent state has absorbed the dropped tokens (no snapshot of it then)
                 # unless the device saw the end too (a stop token or the length limit) and froze it.
-                device_end = int(out.ids[j]) in seq.stop_ids or j + 1 >= rem
+                device_end = (int(out.ids[j]) in seq.stop_ids and len(seq.stop_ids) <= STOP_WIDTH) or j + 1 >= rem
                 seq.state_dirty = j < len(out.ids) - 1 and not device_end
                 if self._accept(seq, out, j):
                     # the loop guard injected </think>: a hybrid's state cannot be rewound, so the
                     # sequence is recomputed (rare; mostly out of the prefix cache).
-                    if self.hybrid and seq.state_dirty:
+                    if self.hybrid and seq.state_dirty and seq.status is Status.RUNNING:
                         self.scheduler.requeue(seq)
                     break
                 if seq.status is not Status.RUNNING:

@@ -4,12 +4,12 @@ prefix keys and brought back instead of being recomputed.
 Blocks live in pieces: the blocks read off the device together (kv_blocks.read_blocks), one JAX
 array per piece in the host's pinned memory (models/host_memory.py). Reading them out and bringing
 them back are then single asynchronous DMA copies, started on the device's thread without waiting
-for them, and nothing is copied on the host in between. A piece's memory goes when the last of its
-blocks leaves, and that is what the tier counts: `used` is the bytes of the pieces still held.
-Entries are dropped least recently used first when the tier is over its limit. With
-`resize="auto"`, `check_memory()` (called between steps, at most once a second) lowers the limit
-while the machine has less than `reserve` bytes of RAM available, and raises it back to the
-configured size once memory is free again; each change is logged."""
+for them, and nothing is copied on the host in between. A piece's memory goes only with the piece,
+so the tier evicts whole pieces, least recently used first (a lookup of any of its blocks counts as
+a use of the piece), and `used` is the bytes of the pieces held. With `resize="auto"`,
+`check_memory()` (called between steps, at most once a second) lowers the limit while the machine
+has less than `reserve` bytes of RAM available, and raises it back to the configured size once
+memory is free again; each change is logged."""
 from __future__ import annotations
 
 import logging
@@ -29,22 +29,35 @@ GiB = 1 << 30
 
 class Piece:
     """Blocks that moved together: k, v [n, L, nKV, bs, hd] (host-memory JAX arrays or numpy)."""
-    __slots__ = ("k", "v", "nbytes", "live", "_np", "_lock")
 
     def __init__(self, k, v):
         self.k, self.v = k, v
         self.nbytes = 0                    # set by the tier: its rows times the block's bytes
-        self.live = 0                      # entries of the tier that still use it
-        self._np = None
+        self.keys: set[int] = set()        # its blocks still in the tier
+        self._np = None                    # a numpy copy while serializers hold it (hold / release)
+        self._holds = 0
         self._lock = threading.Lock()
 
-    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
-        """The piece as numpy (waits for its copy off the device); kept once made. For the SSD
-        writer and the cache file, which serialize blocks."""
+    def hold(self) -> None:
         with self._lock:
-            if self._np is None:
-                self._np = (np.asarray(self.k), np.asarray(self.v))
-            return self._np
+            self._holds += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holds -= 1
+            if self._holds <= 0:
+                self._holds, self._np = 0, None
+
+    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """The piece as numpy (waits for its copy off the device): kept while held (the SSD writer
+        serializes a piece's blocks one by one), else made for this call only."""
+        with self._lock:
+            if self._np is not None:
+                return self._np
+            out = (np.asarray(self.k), np.asarray(self.v))
+            if self._holds:
+                self._np = out
+            return out
 
 
 class HostEntry:
@@ -55,9 +68,15 @@ class HostEntry:
         self.piece, self.row, self.nbytes = piece, row, nbytes
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """k, v [L, nKV, bs, hd] of this block as numpy (views of its piece)."""
+        """k, v [L, nKV, bs, hd] of this block as numpy (views of its piece's copy)."""
         k, v = self.piece.numpy()
         return k[self.row], v[self.row]
+
+    def hold(self) -> None:
+        self.piece.hold()
+
+    def release(self) -> None:
+        self.piece.release()
 
 
 class HostTier:
@@ -71,7 +90,8 @@ class HostTier:
         self.reserve = reserve_bytes
         self._available = available
         self._last_check = 0.0
-        self.entries: OrderedDict[int, HostEntry] = OrderedDict()
+        self.entries: OrderedDict[int, HostEntry] = OrderedDict()    # oldest first
+        self.pieces: OrderedDict[int, Piece] = OrderedDict()         # id -> piece, least recently used first
         self.children: dict[int, set[int]] = {}     # parent key -> keys of entries below it
         self.used = 0                               # bytes of the pieces held
         self.captured = 0
@@ -88,6 +108,7 @@ class HostTier:
         e = self.entries.get(key)
         if e is not None:
             self.entries.move_to_end(key)
+            self.pieces.move_to_end(id(e.piece))
         return e
 
     def below(self, parent: int) -> list[HostEntry]:
@@ -113,32 +134,33 @@ class HostTier:
                 continue
             self.entries[key] = HostEntry(key, parent, tokens, piece, i, block_bytes)
             self.children.setdefault(parent, set()).add(key)
-            piece.live += 1
+            piece.keys.add(key)
             self.captured += 1
-        if piece.live:
+        if piece.keys:
+            self.pieces[id(piece)] = piece
             self.used += piece.nbytes
             self._shrink_to(self.limit)
 
-    def _drop(self, key: int) -> None:
-        e = self.entries.pop(key)
-        kids = self.children[e.parent]
-        kids.discard(key)
-        if not kids:
-            del self.children[e.parent]
-        e.piece.live -= 1
-        if e.piece.live == 0:
-            self.used -= e.piece.nbytes
-        self.dropped += 1
-        if self.on_drop is not None:
-            self.on_drop(e)            # the SSD writer reads its arrays on its own thread
+    def _drop_piece(self, piece: Piece) -> None:
+        del self.pieces[id(piece)]
+        self.used -= piece.nbytes
+        for key in sorted(piece.keys, key=lambda k: self.entries[k].row):
+            e = self.entries.pop(key)
+            kids = self.children[e.parent]
+            kids.discard(key)
+            if not kids:
+                del self.children[e.parent]
+            self.dropped += 1
+            if self.on_drop is not None:
+                self.on_drop(e)        # the SSD writer reads its arrays on its own thread
+        piece.keys.clear()
 
     def _shrink_to(self, limit: int) -> None:
-        while self.used > limit and self.entries:
-            self._drop(next(iter(self.entries)))
+        while self.used > limit and self.pieces:
+            self._drop_piece(next(iter(self.pieces.values())))
 
     def clear(self) -> None:
-        for key in list(self.entries):
-            self._drop(key)
+        self._shrink_to(-1)
 
     def check_memory(self, now: float | None = None) -> None:
         """Auto resize: give memory back while the machine is short of it, take it again later."""

@@ -213,9 +213,11 @@ class PrefixCache:
         if hit.tail is not None and isinstance(hit.tail[1], OnDisk):
             want.append(hit.tail[1].key)
         snap = hit.snapshot.key if isinstance(hit.snapshot, OnDisk) else None
-        if not self.costs.disk_pays(len(want) * self.block_bytes, len(want) * self.bm.block_size):
-            self.stats["ssd_skipped"] += len(want) * self.bm.block_size
-            return False
+        if want:    # (a snapshot alone is a small read that saves a whole prefix: always worth it)
+            without = self.drop_disk(seq, hit)
+            saved = hit.tokens - (without.tokens if without else 0)
+            if not self.costs.disk_pays(len(want) * self.block_bytes, saved):
+                return False
         if self._reader is None:
             from concurrent.futures import ThreadPoolExecutor
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infernix-ssd-read")
@@ -292,7 +294,6 @@ class PrefixCache:
         if hit.snapshot is not None:
             self._restores.append((seq, hit.snapshot))
         seq.num_computed = hit.tokens
-        seq.staged = None
         if not seq.admitted:                       # usage reports the first admission's hit
             seq.num_cached = hit.tokens
 
@@ -342,9 +343,13 @@ class PrefixCache:
                 rows.append(e.row)
                 dst.append(b)
             else:
-                loose.append((b, e.arrays()))
+                loose.append((b, e.arrays()))       # read from the SSD
         for piece, rows, dst in by_piece.values():
-            kv = kv_blocks.write_rows(kv, piece.k, piece.v, rows, dst)
+            if 2 * len(rows) >= piece.k.shape[0]:          # most of the piece: send it whole
+                kv = kv_blocks.write_rows(kv, piece.k, piece.v, rows, dst)
+            else:                                           # a few rows: not the whole piece to the device
+                k, v = piece.numpy()
+                loose += [(b, (k[r], v[r])) for r, b in zip(rows, dst)]
         for k, v, lo, hi in kv_blocks.stack_pieces([a for _, a in loose]):
             kv = kv_blocks.write_rows(kv, k, v, list(range(hi - lo)), [b for b, _ in loose[lo:hi]])
         return kv
@@ -362,11 +367,18 @@ class PrefixCache:
                 blocks.append((m.key, m.parent, m.tokens, k[i], v[i]))
                 used += self.block_bytes
         if self.host is not None:
+            held = set()
             for e in reversed(self.host.entries.values()):
                 if used + e.nbytes > cap_bytes:
                     break
-                blocks.append((e.key, e.parent, e.tokens, *e.arrays()))
+                if id(e.piece) not in held:        # one numpy copy per piece, not one per block
+                    e.hold()
+                    held.add(id(e.piece))
+                blocks.append((e.key, e.parent, e.tokens, *(a.copy() for a in e.arrays())))
                 used += e.nbytes
+            for p in self.host.pieces.values():
+                if id(p) in held:
+                    p.release()
         snaps = list(self.snapshots.items()) if self.snapshots is not None else []
         return cache_file.save(path, fp, blocks, snaps, self.ssd.state() if self.ssd is not None else None)
 
@@ -375,13 +387,13 @@ class PrefixCache:
         saved = cache_file.load(path, fp, dtype)
         if saved is None:
             return 0
+        if self.ssd is not None and saved["ssd"]:        # first: what the RAM store gives up below goes there
+            self.ssd.restore(saved["ssd"])
         self.host.put_many(saved["blocks"][::-1])        # oldest first: the newest end up newest
         if self.snapshots is not None:
             from ..models.hybrid_paged import StateSnapshot
             for key, n, conv, ssm in saved["snapshots"]:
                 self.snapshots.put(key, StateSnapshot(conv, ssm, n))
-        if self.ssd is not None and saved["ssd"]:
-            self.ssd.restore(saved["ssd"])
         return len(saved["blocks"])
 
     def reset(self) -> None:

@@ -19,6 +19,9 @@ class StepOutput:
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
 
 
+STOP_WIDTH = 8        # stop token ids per row the device checks (a fixed width: no recompiles)
+
+
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0):
         self.params = model.params
@@ -190,10 +193,10 @@ class Runner:
         its stop token ids and the tokens it may still emit (max_tokens, the context)."""
         if not self.hybrid:
             return {}
-        W = steps.bucket(max((len(s.stop_ids) for s in seqs), default=1), minimum=4)
-        stop_ids, remaining = np.full((B, W), -1, np.int32), np.zeros((B,), np.int32)
+        stop_ids, remaining = np.full((B, STOP_WIDTH), -1, np.int32), np.zeros((B,), np.int32)
         for i, s in enumerate(seqs):
-            stop_ids[i, :len(s.stop_ids)] = sorted(s.stop_ids)
+            ids = sorted(s.stop_ids)[:STOP_WIDTH]     # (more: the engine treats its state as dirty)
+            stop_ids[i, :len(ids)] = ids
             remaining[i] = s.params.max_tokens - len(s.out_ids)
             if self.max_context:
                 remaining[i] = min(remaining[i], self.max_context - len(s))

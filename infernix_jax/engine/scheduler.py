@@ -72,6 +72,7 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
+        seq.staged = None
         if self.on_release is not None and seq.block_ids:
             self.bm.seal_full_blocks(seq)      # (a sequence can end on the step that fills a block)
             self.on_release(seq)
@@ -149,18 +150,21 @@ class Scheduler:
                 return 0
             self.cache.take_fetched(seq)     # (waits for it when nothing else could run meanwhile)
         hit = self.cache.lookup(seq) if self.cache is not None and not seq.block_ids else None
-        n = self._fits(seq, plan, budget, hit)
+        n, skipped = self._fits(seq, plan, budget, hit), 0
         if n and hit is not None and hit.on_disk:           # read the SSD only when about to admit
             if self.cache.start_fetch(seq, hit):
                 return self._admit(seq, plan, budget)      # once: after the read nothing is on disk
-            hit = self.cache.drop_disk(seq, hit)                 # reading is slower than computing here
+            rest = self.cache.drop_disk(seq, hit)           # reading is slower than computing here
+            skipped, hit = hit.tokens - (rest.tokens if rest else 0), rest
             n = self._fits(seq, plan, budget, hit)
         if n == 0:
             return 0
         if self.cache is not None and not seq.block_ids:
             self.cache.count_query(seq)
+            self.cache.stats["ssd_skipped"] += skipped
             if hit:
                 self.cache.commit(seq, hit)
+        seq.staged = None                    # what an SSD read brought is taken (or not needed)
         seq.state_dirty = False
         seq.turn_start, seq.turn_out = self.clock(), None
         seq.admitted = True

@@ -7,8 +7,8 @@ longest ago). Writes run on a background thread, off the request path, and go th
 GiB per hour (a token bucket holding five minutes of budget): past it, blocks are dropped instead
 of written, so an agent session cannot wear out the disk. A block still queued for writing is
 served from memory. A read error is a miss. Every record is checked twice: a BLAKE2 checksum of its
-header and tokens, and zstandard's frame checksum (XXH64) of its payload, verified while it is
-decompressed (hashing the payload with BLAKE2 as well halved the read speed on an H200 host, whose
+header and tokens, and zstandard's frame checksum of its payload (the low 32 bits of its XXH64),
+verified while it is decompressed (hashing the payload with BLAKE2 as well halved the read speed on an H200 host, whose
 disk reads 1.7 GB/s). A record that does not check out is a miss, never wrong output.
 
 Hybrid models' state snapshots (snapshots.py) that the RAM store gives up come here too, as records
@@ -99,6 +99,8 @@ class SSDTier:
             if entry.key in self.index or entry.key in self._pending:
                 return
             self._pending[entry.key] = entry
+        if hasattr(entry, "hold"):      # its piece stays in numpy form until its blocks are written
+            entry.hold()
         self._queue.put(entry)
 
     def _take_budget(self, n: int) -> bool:
@@ -140,6 +142,9 @@ class SSDTier:
                 log.error("SSD tier: write failed: %s", e)
                 with self._lock:
                     self._pending.pop(entry.key, None)
+            finally:
+                if hasattr(entry, "release"):
+                    entry.release()
 
     def _write(self, entry) -> None:
         with self._lock:        # out of budget even for a record compressed to half: skip the compression
@@ -209,7 +214,7 @@ class SSDTier:
         if queued is not None and loc is None:         # not written yet: served from memory
             if isinstance(queued, _SnapEntry):
                 return queued.snap
-            return DiskEntry(key, queued.parent, tuple(queued.tokens), *queued.arrays())
+            return DiskEntry(key, queued.parent, tuple(queued.tokens), *(a.copy() for a in queued.arrays()))
         if loc is None:
             return None
         off, n = loc
@@ -218,7 +223,10 @@ class SSDTier:
         except OSError as e:
             log.error("SSD tier: read failed (%s); treated as a miss", e)
             return None
-        entry = self._parse(rec, key)
+        try:
+            entry = self._parse(rec, key)
+        except Exception:  # noqa: BLE001 - whatever a damaged record does, it is a miss
+            entry = None
         if entry is None:
             self.corrupt += 1
             log.warning("SSD tier: a record failed its checksum; treated as a miss")
@@ -260,12 +268,12 @@ class SSDTier:
         from ..models.hybrid_paged import StateSnapshot
         out, o = [], 0
         conv_l, ssm_l = self.state_layout
+        if len(raw) != sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in (*conv_l, *ssm_l)):
+            return None
         for shape, dt in (*conv_l, *ssm_l):
             n = int(np.prod(shape)) * np.dtype(dt).itemsize
             out.append(np.frombuffer(raw[o:o + n], dt).reshape(shape))
             o += n
-        if o != len(raw):
-            return None
         return StateSnapshot(tuple(out[:len(conv_l)]), tuple(out[len(conv_l):]), num_tokens)
 
     def state(self) -> dict:
