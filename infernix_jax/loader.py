@@ -29,6 +29,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     dtype: object
     generation_defaults: dict = dataclasses.field(default_factory=dict)   # see generation_config.py
+    weights_format: str = ""      # --weights: the QTensor format of the projections ("": as loaded)
 
 
 def _gguf_config(path: Path, kv: dict, src: GGUFSource) -> ModelConfig:
@@ -80,10 +81,14 @@ def load_config(spec: str) -> ModelConfig:
                          f"(config.json + safetensors), a .gguf file or an alias")
 
 
-def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
-    """Raises ModelLoadError / ConfigError / TokenizerError with a one-line, actionable message."""
+def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, weights: str | None = None) -> LoadedModel:
+    """Raises ModelLoadError / ConfigError / TokenizerError with a one-line, actionable message.
+    weights: a quant format (quant/formats.py) to quantize the projections to after loading."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    from .quant import FORMATS
+    if weights and weights not in FORMATS:
+        raise ModelLoadError(f"unknown weight format {weights!r}; choose one of {', '.join(FORMATS)}")
     path = resolve(spec)
     jdt = DTYPES[dtype]
     try:
@@ -96,8 +101,11 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True) -
                                  f"(config.json + safetensors), a .gguf file or an alias")
     except (ConfigError, TokenizerError, ValueError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    if weights:
+        from .quant.apply import quantize_params
+        params = quantize_params(params, weights)
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
-                       tokenizer=tok, dtype=jdt, generation_defaults=gen)
+                       tokenizer=tok, dtype=jdt, generation_defaults=gen, weights_format=weights or "")
 
 
 def _looks_like_gguf(path: Path) -> bool:

@@ -31,6 +31,11 @@ def add_model_args(p, default_model: str | None = None):
                    help="a Hugging Face model directory, a .gguf file, or an alias (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32: XLA's CPU bf16 matmuls are slow)")
+    from infernix_jax.quant import FORMATS
+    p.add_argument("--weights", default=None, choices=FORMATS,
+                   help="quantize the projections after loading (attention, MLP, linear attention, shared "
+                        "experts; embeddings, LM head and routed experts stay as loaded). The matmuls "
+                        "dequantize on the fly for now (the reference route), so this saves memory, not time")
 
 
 def add_engine_args(p):

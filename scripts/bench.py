@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             return 0
         import jax
         from infernix_jax.loader import load_model
-        model = load_model(a.model, dtype=a.dtype)
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights)
         prompt = list(np.random.default_rng(0).integers(100, model.cfg.vocab_size - 100, a.prompt_tokens))
         prompt = [int(t) for t in prompt]
         ours = _ours(model, a.batch, prompt, a.new_tokens, a.kv_cache_gib, a.max_model_len)

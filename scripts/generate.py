@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             raw_lines = [ln for ln in f.read().splitlines() if ln.strip()]
         from infernix_jax.engine import Engine, Request
         from infernix_jax.loader import load_model
-        model = load_model(a.model, dtype=a.dtype)
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights)
         engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len)
         items = []  # (line dict, Request | None, error)
         for n, ln in enumerate(raw_lines, 1):

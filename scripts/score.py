@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         from infernix_jax.engine.steps import bucket, full_logprobs
         from infernix_jax.loader import load_model
         from infernix_jax.models import init_cache
-        model = load_model(a.model, dtype=a.dtype, with_tokenizer=False)
+        model = load_model(a.model, dtype=a.dtype, with_tokenizer=False, weights=a.weights)
         cfg = model.cfg
         arrays, failed = {}, 0
         for i, ln in enumerate(tqdm(lines, desc="scoring", unit="seq", disable=None)):

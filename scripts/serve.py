@@ -65,8 +65,9 @@ def main(argv=None) -> int:
                                                                       cfg.max_position_embeddings),
                              max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
                              kv_cache_gib=kw["kv_cache_gib"], memory_fraction=kw["memory_fraction"],
-                             max_num_batched_tokens=kw["max_num_batched_tokens"])
-            print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype})")
+                             max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=a.weights or "")
+            print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype}"
+                  f"{', weights ' + a.weights if a.weights else ''})")
             print(plan.describe())
             print(describe_prefix_cache(kw))
             return 0
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
-        model = load_model(a.model, dtype=a.dtype)
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json); the server needs one")
         names = tuple(a.served_model_name or (model.name,))

@@ -1,6 +1,7 @@
 """The console scripts: batch generation, scoring, pulling, and their errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -124,3 +125,8 @@ def test_serve_plan_prints_the_allocation_without_loading(smollm):
         assert bad.returncode == 2 and msg in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     small = run_cli("scripts.serve", "--plan", "--kv-cache-gib", "0.001")
     assert small.returncode == 2 and "cannot hold one sequence" in small.stderr
+    q = run_cli("scripts.serve", "--plan", "--weights", "int4")       # quantized projections plan smaller
+    w = lambda out: float(re.search(r"weights:\s+([\d.]+) GiB", out).group(1))  # noqa: E731
+    assert q.returncode == 0 and "weights int4" in q.stdout and w(q.stdout) < w(r.stdout), q.stdout
+    bad = run_cli("scripts.serve", "--plan", "--weights", "int3")
+    assert bad.returncode == 2 and "--weights" in bad.stderr and "Traceback" not in bad.stderr

@@ -70,3 +70,60 @@ def test_zero_rows_and_bytes(fmt):
 def test_unknown_format_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown weight format 'int3'"):
         quantize(jnp.ones((4, 4)), "int3")
+
+
+# ---- a quantized model (--weights) ------------------------------------------------------------
+TEXT = ("The river Tagus rises in the mountains of eastern Spain and flows west through Toledo before "
+        "it reaches the Atlantic at Lisbon, where its estuary forms one of the largest natural harbours")
+# mean KL (nats/token) to the exact model and top-token agreement over this text's 35 tokens: about
+# twice / a bit under what round-to-nearest measured for SmolLM2-135M (float32) on 2026-12-03:
+# int8 0.005 / 0.94, fp8 0.028 / 0.86, fp8b 0.050 / 0.86, mxfp8 0.026 / 0.94, int4 0.56 / 0.57,
+# nvfp4 0.33 / 0.69 (a 135M model is far more sensitive than the 8B-class ones)
+KL_BOUND = {"int8": 0.01, "fp8": 0.06, "fp8b": 0.1, "mxfp8": 0.06, "int4": 1.1, "nvfp4": 0.7}
+TOP_BOUND = {"int8": 0.9, "fp8": 0.8, "fp8b": 0.8, "mxfp8": 0.9, "int4": 0.5, "nvfp4": 0.6}
+
+
+@pytest.fixture(scope="module")
+def exact_logprobs(smollm):
+    return _logprobs(smollm.params, smollm)
+
+
+def _logprobs(params, model):
+    from infernix_jax.engine.steps import full_logprobs
+    from infernix_jax.models import init_cache
+    ids = model.tokenizer.encode(TEXT)
+    lp = full_logprobs(params, model.cfg, jnp.asarray([ids]), init_cache(model.cfg, 1, len(ids), model.dtype))
+    return np.asarray(lp[0], np.float64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_smollm_stays_close_to_the_exact_model(smollm, exact_logprobs, fmt):
+    from infernix_jax.quant.apply import quantize_params
+    from infernix_jax.quant.formats import QTensor
+    params = quantize_params(smollm.params, fmt, progress=False)
+    assert isinstance(params["layers"][0]["w_down"], QTensor) and not isinstance(params["embed"], QTensor)
+    lp = _logprobs(params, smollm)
+    kl = float((np.exp(exact_logprobs) * (exact_logprobs - lp)).sum(-1).mean())
+    top = float((exact_logprobs.argmax(-1) == lp.argmax(-1)).mean())
+    assert 0 < kl < KL_BOUND[fmt], kl
+    assert top >= TOP_BOUND[fmt], top
+
+
+def test_a_quantized_model_serves_and_plans_smaller(smollm):
+    import dataclasses
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    from infernix_jax.engine.plan import make_plan
+    from infernix_jax.quant.apply import quantize_params
+    model = dataclasses.replace(smollm, params=quantize_params(smollm.params, "int8", progress=False),
+                                weights_format="int8")
+    eng = Engine(model, max_num_seqs=2, max_model_len=256)
+    exact = Engine(smollm, max_num_seqs=2, max_model_len=256)
+    ids = smollm.tokenizer.encode(TEXT)
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = eng.generate([Request(ids, p)])[0]
+    assert len(got.token_ids) == 8
+    assert got.token_ids[:4] == exact.generate([Request(ids, p)])[0].token_ids[:4]
+    assert eng.fingerprint != exact.fingerprint          # prefix caches never mix the two
+    full = make_plan(smollm.cfg, smollm.dtype, max_model_len=256, max_num_seqs=2)
+    q4 = make_plan(smollm.cfg, smollm.dtype, max_model_len=256, max_num_seqs=2, weights_format="int4")
+    assert q4.weights_bytes < full.weights_bytes

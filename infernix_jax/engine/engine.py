@@ -69,10 +69,13 @@ class Engine:
         self.plan: MemoryPlan = make_plan(self.cfg, model.dtype, max_model_len=self.max_context,
                                           max_num_seqs=max_num_seqs, block_size=block_size,
                                           kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
-                                          max_num_batched_tokens=max_num_batched_tokens)
+                                          max_num_batched_tokens=max_num_batched_tokens,
+                                          weights_format=model.weights_format)
         # Prefix keys start from a root that names what the blocks' contents depend on.
         dtype_name = np.dtype(model.dtype).name
         weights = cache_file.weights_identity(model.path) or model.name      # random weights: the name
+        if model.weights_format:             # quantized projections compute other KV
+            weights += f"|{model.weights_format}"
         self.fingerprint = cache_file.fingerprint(f"{weights}|{model.cfg}", dtype_name, dtype_name, block_size,
                                                   jax.devices()[0].device_kind)
         self.bm = BlockManager(self.plan.num_blocks, block_size, root=root_key(json.dumps(self.fingerprint)),

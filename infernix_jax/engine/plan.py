@@ -64,9 +64,10 @@ def device_memory_bytes() -> int | None:
 
 def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int, block_size: int = 16,
               kv_cache_gib: float | None = None, memory_fraction: float = 0.9,
-              max_num_batched_tokens: int = 2048) -> MemoryPlan:
+              max_num_batched_tokens: int = 2048, weights_format: str = "") -> MemoryPlan:
+    from ..quant.apply import planned_bytes
     itemsize = jnp.dtype(dtype).itemsize
-    weights = sum(int(np.prod(a.shape)) * itemsize for a in jax.tree.leaves(abstract_params(cfg, dtype)))
+    weights = planned_bytes(abstract_params(cfg, dtype), itemsize, weights_format)
     per_tok = kv_bytes_per_token(cfg, dtype)
     # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..quant.formats import QTensor, dequantize
+
 _ACT = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -40,7 +42,10 @@ def apply_rope(x, cos, sin):
 
 
 def linear(x, w, b=None):
-    """x [..., in] @ w[out, in]^T (+ b): weights stay in the checkpoints' [out, in] layout."""
+    """x [..., in] @ w[out, in]^T (+ b): weights stay in the checkpoints' [out, in] layout. A
+    quantized w (--weights) is dequantized here: the reference route, exact to its format."""
+    if isinstance(w, QTensor):
+        w = dequantize(w, x.dtype)
     y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 

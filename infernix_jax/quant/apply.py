@@ -1,0 +1,43 @@
+"""Quantizing a loaded model's weights (`--weights FMT`): the projections every token multiplies by
+(attention, MLP, Gated DeltaNet, shared experts) become QTensors; embeddings, the LM head, norms,
+routers and the small per-head vectors stay as they are. Routed MoE experts stay unquantized until
+the grouped expert kernel takes quantized weights (issue 7)."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from .formats import FORMATS, QTensor, nominal_bits, quantize
+
+# the weights models/layers.linear multiplies by ([out, in] matrices)
+QUANTIZABLE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
+                         "lin_qkvz", "lin_ba", "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out"})
+
+_quantize = jax.jit(quantize, static_argnums=1)
+
+
+def quantize_params(params: dict, fmt: str, progress: bool = True) -> dict:
+    """A copy of params with each layer's QUANTIZABLE matrices in format fmt (one layer at a time,
+    so the peak is one layer's worth of both forms)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+    layers = []
+    for p in tqdm(params["layers"], desc=f"quantizing weights to {fmt}", unit="layer", disable=not progress):
+        q = dict(p)
+        for name in QUANTIZABLE & q.keys():
+            if not isinstance(q[name], QTensor):
+                q[name] = _quantize(q[name], fmt)
+        layers.append(q)
+    return {**params, "layers": layers}
+
+
+def planned_bytes(abstract: dict, itemsize: int, fmt: str = "") -> int:
+    """Device bytes of a model's weights (abstract shapes) with its projections in format fmt."""
+    total = sum(int(np.prod(a.shape)) * itemsize for a in jax.tree.leaves(abstract))
+    if fmt:
+        for p in abstract["layers"]:
+            for name in QUANTIZABLE & p.keys():
+                n = int(np.prod(p[name].shape))
+                total += int(n * nominal_bits(fmt) / 8) - n * itemsize
+    return total
