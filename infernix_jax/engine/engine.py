@@ -104,8 +104,8 @@ class Engine:
         if self.snapshots is not None:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
         self.runner = Runner(model, self.plan.num_blocks, block_size,
-                             attn_impl or ("pallas" if on_gpu else "reference"), state_slots=max_num_seqs)
-        self.runner.max_context = self.max_context
+                             attn_impl or ("pallas" if on_gpu else "reference"), state_slots=max_num_seqs,
+                             max_context=self.max_context)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
@@ -231,7 +231,7 @@ class Engine:
                     self.bm.seal_full_blocks(seq)
                     continue
             # tokens it may still emit: where the device stopped a hybrid's state updates (runner._ends)
-            rem = min(seq.params.max_tokens - len(seq.out_ids), self.max_context - len(seq))
+            rem = seq.tokens_left(self.max_context)
             for j in range(len(out.ids)):
                 if k > 1:
                     seq.num_computed += 1

@@ -205,16 +205,16 @@ class PrefixCache:
                 return full[:d], None, snap
         return [], None, None
 
-    def start_fetch(self, seq, hit: Hit) -> bool:
+    def start_fetch(self, seq, hit: Hit, without: Hit | None) -> bool:
         """Start reading the hit's SSD blocks in the background (True), unless reading them is
-        expected to be slower than computing them (False: the caller drops them, drop_disk).
-        When the read is done, seq.staged holds what it got and lookup finds it there."""
+        expected to be slower than computing them (False: the caller takes `without`, the hit
+        without them: drop_disk). When the read is done, seq.staged holds what it got and lookup
+        finds it there."""
         want = [e.key for _, e, _ in hit.full if isinstance(e, OnDisk)]
         if hit.tail is not None and isinstance(hit.tail[1], OnDisk):
             want.append(hit.tail[1].key)
         snap = hit.snapshot.key if isinstance(hit.snapshot, OnDisk) else None
         if want:    # (a snapshot alone is a small read that saves a whole prefix: always worth it)
-            without = self.drop_disk(seq, hit)
             saved = hit.tokens - (without.tokens if without else 0)
             if not self.costs.disk_pays(len(want) * self.block_bytes, saved):
                 return False
@@ -367,18 +367,17 @@ class PrefixCache:
                 blocks.append((m.key, m.parent, m.tokens, k[i], v[i]))
                 used += self.block_bytes
         if self.host is not None:
-            held = set()
+            held = {}                              # one numpy copy per piece, not one per block
             for e in reversed(self.host.entries.values()):
                 if used + e.nbytes > cap_bytes:
                     break
-                if id(e.piece) not in held:        # one numpy copy per piece, not one per block
-                    e.hold()
-                    held.add(id(e.piece))
+                if id(e.piece) not in held:
+                    held[id(e.piece)] = e.piece
+                    e.piece.hold()
                 blocks.append((e.key, e.parent, e.tokens, *(a.copy() for a in e.arrays())))
                 used += e.nbytes
-            for p in self.host.pieces.values():
-                if id(p) in held:
-                    p.release()
+            for piece in held.values():
+                piece.release()
         snaps = list(self.snapshots.items()) if self.snapshots is not None else []
         return cache_file.save(path, fp, blocks, snaps, self.ssd.state() if self.ssd is not None else None)
 

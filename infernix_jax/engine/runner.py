@@ -23,7 +23,8 @@ STOP_WIDTH = 8        # stop token ids per row the device checks (a fixed width:
 
 
 class Runner:
-    def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0):
+    def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0,
+                 max_context: int = 0):
         self.params = model.params
         self.cfg = model.cfg
         self.block_size = block_size
@@ -33,7 +34,7 @@ class Runner:
         self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
         self.hybrid = bool(self.cfg.layer_types)
         self.state_slots = state_slots if self.hybrid else 0
-        self.max_context = 0          # set by the engine: outputs end there (see _ends)
+        self.max_context = max_context or self.cfg.max_position_embeddings     # outputs end there (_ends)
         self.reset_kv()
 
     def reset_kv(self) -> None:
@@ -197,9 +198,7 @@ class Runner:
         for i, s in enumerate(seqs):
             ids = sorted(s.stop_ids)[:STOP_WIDTH]     # (more: the engine treats its state as dirty)
             stop_ids[i, :len(ids)] = ids
-            remaining[i] = s.params.max_tokens - len(s.out_ids)
-            if self.max_context:
-                remaining[i] = min(remaining[i], self.max_context - len(s))
+            remaining[i] = s.tokens_left(self.max_context)
         return {"stop_ids": stop_ids, "remaining": remaining}
 
     def warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int,

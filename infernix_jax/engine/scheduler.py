@@ -152,10 +152,10 @@ class Scheduler:
         hit = self.cache.lookup(seq) if self.cache is not None and not seq.block_ids else None
         n, skipped = self._fits(seq, plan, budget, hit), 0
         if n and hit is not None and hit.on_disk:           # read the SSD only when about to admit
-            if self.cache.start_fetch(seq, hit):
+            rest = self.cache.drop_disk(seq, hit)
+            if self.cache.start_fetch(seq, hit, rest):
                 return self._admit(seq, plan, budget)      # once: after the read nothing is on disk
-            rest = self.cache.drop_disk(seq, hit)           # reading is slower than computing here
-            skipped, hit = hit.tokens - (rest.tokens if rest else 0), rest
+            skipped, hit = hit.tokens - (rest.tokens if rest else 0), rest      # computing is faster
             n = self._fits(seq, plan, budget, hit)
         if n == 0:
             return 0

@@ -65,3 +65,7 @@ class Sequence:
     @property
     def decoding(self) -> bool:
         return bool(self.out_ids) and self.num_pending == 1
+
+    def tokens_left(self, max_context: int) -> int:
+        """Output tokens it may still emit: max_tokens and the context both end it."""
+        return min(self.params.max_tokens - len(self.out_ids), max_context - len(self))

@@ -118,17 +118,15 @@ class SSDTier:
             self.put(_SnapEntry(key, snap))
 
     def _record(self, entry) -> bytes:
-        if isinstance(entry, _SnapEntry):
-            arrays = [np.asarray(a) for a in (*entry.snap.conv, *entry.snap.ssm)]
-            payload = self._zc.compress(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays))
-            head = HEADER.pack(SNAP_MAGIC, (entry.key ^ SNAP).to_bytes(16, "little"), bytes(16),
-                               entry.snap.num_tokens, len(payload))
-            return head + hashlib.blake2b(head, digest_size=SUM).digest() + payload
-        k, v = entry.arrays()
-        payload = self._zc.compress(np.ascontiguousarray(k).tobytes() + np.ascontiguousarray(v).tobytes())
-        toks = np.asarray(entry.tokens, np.int32).tobytes()
-        head = HEADER.pack(MAGIC, entry.key.to_bytes(16, "little"), entry.parent.to_bytes(16, "little"),
-                           len(entry.tokens), len(payload)) + toks
+        if isinstance(entry, _SnapEntry):          # no parent, no tokens: the count field holds its length
+            arrays, magic, parent, toks = (*entry.snap.conv, *entry.snap.ssm), SNAP_MAGIC, 0, b""
+            count = entry.snap.num_tokens
+        else:
+            arrays, magic, parent, count = entry.arrays(), MAGIC, entry.parent, len(entry.tokens)
+            toks = np.asarray(entry.tokens, np.int32).tobytes()
+        payload = self._zc.compress(b"".join(np.ascontiguousarray(np.asarray(a)).tobytes() for a in arrays))
+        head = HEADER.pack(magic, (entry.key & (SNAP - 1)).to_bytes(16, "little"), parent.to_bytes(16, "little"),
+                           count, len(payload)) + toks
         return head + hashlib.blake2b(head, digest_size=SUM).digest() + payload
 
     def _writer(self) -> None:
@@ -266,12 +264,13 @@ class SSDTier:
 
     def _parse_snapshot(self, raw: bytes, num_tokens: int):
         from ..models.hybrid_paged import StateSnapshot
-        out, o = [], 0
         conv_l, ssm_l = self.state_layout
-        if len(raw) != sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in (*conv_l, *ssm_l)):
+        layout = (*conv_l, *ssm_l)
+        sizes = [int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in layout]
+        if len(raw) != sum(sizes):
             return None
-        for shape, dt in (*conv_l, *ssm_l):
-            n = int(np.prod(shape)) * np.dtype(dt).itemsize
+        out, o = [], 0
+        for (shape, dt), n in zip(layout, sizes):
             out.append(np.frombuffer(raw[o:o + n], dt).reshape(shape))
             o += n
         return StateSnapshot(tuple(out[:len(conv_l)]), tuple(out[len(conv_l):]), num_tokens)

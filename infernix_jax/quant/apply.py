@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from .formats import FORMATS, QTensor, nominal_bits, quantize
+from .formats import QTensor, nominal_bits, quantize
 
 # the weights models/layers.linear multiplies by ([out, in] matrices)
 QUANTIZABLE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
@@ -20,8 +20,6 @@ _quantize = jax.jit(quantize, static_argnums=1)
 def quantize_params(params: dict, fmt: str, progress: bool = True) -> dict:
     """A copy of params with each layer's QUANTIZABLE matrices in format fmt (one layer at a time,
     so the peak is one layer's worth of both forms)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
     layers = []
     for p in tqdm(params["layers"], desc=f"quantizing weights to {fmt}", unit="layer", disable=not progress):
         q = dict(p)

@@ -15,8 +15,6 @@ magnitude onto the format's largest value, so nothing saturates. `dequantize` is
 the Pallas matmul kernels and the fallback where they do not run."""
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,11 +166,3 @@ def nominal_bits(fmt: str) -> float:
     """Bits per weight including scales (for reports): values plus their share of the scales."""
     return {"int8": 8, "fp8": 8, "fp8b": 8 + 32 / 128 ** 2, "mxfp8": 8 + 8 / 32,
             "int4": 4 + 40 / 128, "nvfp4": 4 + 8 / 16}[fmt]
-
-
-def _check():  # pragma: no cover - a quick manual check
-    w = jax.random.normal(jax.random.PRNGKey(0), (3, 256, 300))
-    for f in FORMATS:
-        q = quantize(w, f)
-        err = float(jnp.sqrt(jnp.mean((dequantize(q) - w) ** 2)))
-        print(f, q.data.shape, q.scale.shape, round(err, 4), math.isfinite(err))
