@@ -34,8 +34,27 @@ def add_model_args(p, default_model: str | None = None):
     from infernix_jax.quant import FORMATS
     p.add_argument("--weights", default=None, choices=FORMATS,
                    help="quantize the projections after loading (attention, MLP, linear attention, shared "
-                        "experts; embeddings, LM head and routed experts stay as loaded). The matmuls "
-                        "dequantize on the fly for now (the reference route), so this saves memory, not time")
+                        "experts; embeddings, LM head and routed experts stay as loaded). On a GPU, decode "
+                        "reads them through a fused dequantizing kernel; docs/quality.md says what each costs")
+    p.add_argument("--lossless", action="store_true",
+                   help="the exact route: float32 activations, every matmul in full f32 (no TF32, no bf16), "
+                        "the reference attention and dequantize-then-multiply: slower, the reference for "
+                        "infernix-quality. Without it the GPU runs faster arithmetic (also deterministic)")
+
+
+def apply_route(a) -> None:
+    """--lossless: check it against the other flags and set JAX up for it (call once, before any
+    model is loaded)."""
+    if not getattr(a, "lossless", False):
+        return
+    if a.dtype != "float32":
+        raise ValueError(f"--lossless computes in float32: drop --dtype {a.dtype}")
+    if getattr(a, "attn_impl", None) not in (None, "reference"):
+        raise ValueError(f"--lossless uses the reference attention: drop --attn-impl {a.attn_impl}")
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    if hasattr(a, "attn_impl"):
+        a.attn_impl = "reference"
 
 
 def add_engine_args(p):

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from scripts._common import add_model_args, run
+from scripts._common import add_model_args, apply_route, run
 
 
 def _ours(model, batch: int, prompt: list[int], new: int, kv_cache_gib: float | None = None,
@@ -67,18 +67,22 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix"],
+    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul"],
                    help="decode: a real model on this machine vs transformers; shapes: random weights at "
                         "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
                         "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py; prefix: time to "
-                        "first token of a resent conversation from each prefix-cache tier, see scripts/bench_prefix.py")
+                        "first token of a resent conversation from each prefix-cache tier, see scripts/bench_prefix.py; "
+                        "qmatmul: the fused dequantizing matmul at a shape's projections against bf16 (GPU), "
+                        "see scripts/bench_quant.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
                                                           "qwen3-30b-a3b, qwen3.5-27b, qwen3.5-35b-a3b")
     p.add_argument("--batches", default="1,8,32,64,128")
     p.add_argument("--contexts", default="1024,8192")
     p.add_argument("--prefill-lens", default="512,4096,16384")
     p.add_argument("--attention", action="store_true", help="also compare the attention kernels with cuDNN")
-    p.add_argument("--tune", action="store_true", help="sweep the attention kernels' block sizes first")
+    p.add_argument("--tune", action="store_true", help="sweep the kernels' block sizes first (shapes: attention; "
+                                                        "qmatmul: the quantized matmul)")
+    p.add_argument("--formats", default="int8,fp8,fp8b,mxfp8,int4,nvfp4", help="for 'qmatmul': weight formats")
     p.add_argument("--torch-batches", default="", help="batches for transformers' static cache, e.g. 1,64")
     p.add_argument("--attn-impl", default="pallas", choices=["pallas", "reference"])
     p.add_argument("--decode-steps", type=int, default=8)
@@ -100,6 +104,7 @@ def main(argv=None) -> int:
 
     def go():
         a = p.parse_args(argv)
+        apply_route(a)
         if a.what == "gdn":
             from scripts import bench_gdn
             shape = "qwen3.5-27b" if a.shape == p.get_default("shape") else a.shape
@@ -120,13 +125,26 @@ def main(argv=None) -> int:
             bench_prefix.run(shape, a.model, a.dtype, a.tokens, a.chunk,
                              None if a.out == p.get_default("out") else a.out, cases)
             return 0
+        if a.what == "qmatmul":
+            from scripts import bench_quant
+            from infernix_jax.quant.formats import FORMATS
+            shape = "qwen3-8b" if a.shape == p.get_default("shape") else a.shape
+            if shape not in bench_quant.PRESETS:
+                raise ValueError(f"unknown shape {shape!r}; known: {', '.join(bench_quant.PRESETS)}")
+            fmts = [f for f in a.formats.split(",") if f]
+            bad = set(fmts) - set(FORMATS)
+            if bad:
+                raise ValueError(f"unknown --formats {', '.join(sorted(bad))}; known: {','.join(FORMATS)}")
+            batches = "1,64,256,4096" if a.batches == p.get_default("batches") else a.batches
+            bench_quant.run(shape, a.out, [int(x) for x in batches.split(",") if x], fmts, a.tune)
+            return 0
         if a.what == "shapes":
             from scripts import bench_shapes
             if a.shape not in bench_shapes.PRESETS:
                 raise ValueError(f"unknown shape {a.shape!r}; known: {', '.join(bench_shapes.PRESETS)}")
             ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
             bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
-                             ints(a.torch_batches), a.attn_impl, a.decode_steps, a.tune)
+                             ints(a.torch_batches), a.attn_impl, a.decode_steps, a.tune, a.weights)
             return 0
         import jax
         from infernix_jax.loader import load_model

@@ -87,20 +87,25 @@ def prefill_flops(cfg, n: int) -> float:
 
 
 class Bench:
-    def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas"):
+    def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas",
+                 weights: str | None = None):
         self.shape, self.cfg = shape, PRESETS[shape]
+        self.suffix = f"-{weights}" if weights else ""
         self.out = out
         self.bs, self.k, self.impl = block_size, decode_steps, impl
         # other ragged-kernel tiles for attention() to time beside the default: (rows, blocks, warps, stages)
         self.prefill_alternatives = ((64, 4, 4, 3), (128, 4, 4, 3), (128, 8, 8, 2))
         self.dtype = jnp.bfloat16
         self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
+        if weights:              # --weights: the projections quantized, multiplied by impl's kernels
+            from infernix_jax.quant.apply import quantize_params, with_impl
+            self.params = with_impl(quantize_params(self.params, weights, progress=False), impl)
         self.weights_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
         self.per_tok = kv_bytes_per_token(self.cfg, self.dtype)
         self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state
         self.bw = copy_bandwidth()
         self.flops = matmul_flops()
-        self.results = {"shape": shape, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        self.results = {"shape": shape, "weights": weights or "bf16", "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "copy_GBps": self.bw / 1e9, "matmul_TFLOPs": self.flops / 1e12, "weights_GiB": self.weights_bytes / GiB, "decode": [],
                         "prefill": [], "attention": [], "torch": []}
 
@@ -118,8 +123,8 @@ class Bench:
 
     def emit(self, kind: str, row: dict) -> None:
         self.results[kind].append(row)
-        print(json.dumps({"kind": kind, "shape": self.shape, **row}), flush=True)
-        (self.out / f"bench-{self.shape}.json").write_text(json.dumps(self.results, indent=1))
+        print(json.dumps({"kind": kind, "shape": self.shape, "weights": self.results["weights"], **row}), flush=True)
+        (self.out / f"bench-{self.shape}{self.suffix}.json").write_text(json.dumps(self.results, indent=1))
 
     def decode(self, B: int, ctx: int, reps: int = 5, kv_budget_gib: float = 100.0) -> None:
         M = -(-(ctx + self.k) // self.bs)
@@ -349,14 +354,14 @@ class Bench:
         ax.set_title(f"{self.shape} bf16 on {self.results['device']}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(self.out / f"bench-{self.shape}.png", dpi=110)
+        fig.savefig(self.out / f"bench-{self.shape}{self.suffix}.png", dpi=110)
 
 
 def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torch_batches, impl: str,
-        decode_steps: int, tune: bool = False) -> dict:
+        decode_steps: int, tune: bool = False, weights: str | None = None) -> dict:
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
-    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl)
+    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights)
     print(json.dumps({"shape": shape, "copy_GBps": round(b.bw / 1e9, 1), "weights_GiB": round(b.weights_bytes / GiB, 2)}),
           flush=True)
     if tune:

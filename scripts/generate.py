@@ -12,7 +12,7 @@ import sys
 
 from tqdm import tqdm
 
-from scripts._common import add_model_args, run
+from scripts._common import add_model_args, apply_route, run
 
 SAMPLING_FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
                    "seed": int, "stop": (str, list)}
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
 
     def go():
         a = p.parse_args(argv)
+        apply_route(a)
         with open(a.input, encoding="utf-8") as f:
             raw_lines = [ln for ln in f.read().splitlines() if ln.strip()]
         from infernix_jax.engine import Engine, Request

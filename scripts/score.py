@@ -13,7 +13,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from scripts._common import add_model_args, run
+from scripts._common import add_model_args, apply_route, run
 
 
 def main(argv=None) -> int:
@@ -25,6 +25,7 @@ def main(argv=None) -> int:
 
     def go():
         a = p.parse_args(argv)
+        apply_route(a)
         with open(a.input, encoding="utf-8") as f:
             lines = [ln for ln in f.read().splitlines() if ln.strip()]
         import jax

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from scripts._common import add_engine_args, add_model_args, describe_prefix_cache, engine_kwargs, run
+from scripts._common import add_engine_args, add_model_args, apply_route, describe_prefix_cache, engine_kwargs, run
 
 
 def main(argv=None) -> int:
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
 
     def go():
         a = p.parse_args(argv)
+        apply_route(a)
         if not 0 < a.port < 65536:
             raise ValueError(f"--port must be between 1 and 65535, got {a.port}")
         if a.plan:
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
         engine = Engine(model, **kw)
         print(engine.plan.describe(), file=sys.stderr)
         print(describe_prefix_cache(kw), file=sys.stderr)
+        print(f"route:              {'lossless (f32 everywhere, reference kernels)' if a.lossless else 'default'}"
+              + (f", weights {a.weights}" if a.weights else ""), file=sys.stderr)
         if a.warmup == "full":
             print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
         app = create_app(engine, warmup=a.warmup == "basic", limits=limits)

@@ -76,7 +76,9 @@ class Engine:
         weights = cache_file.weights_identity(model.path) or model.name      # random weights: the name
         if model.weights_format:             # quantized projections compute other KV
             weights += f"|{model.weights_format}"
-        self.fingerprint = cache_file.fingerprint(f"{weights}|{model.cfg}", dtype_name, dtype_name, block_size,
+        # the matmul precision too: --lossless (full f32) and TF32 f32 matmuls leave different KV
+        precision = jax.config.jax_default_matmul_precision or "default"
+        self.fingerprint = cache_file.fingerprint(f"{weights}|{precision}|{model.cfg}", dtype_name, dtype_name, block_size,
                                                   jax.devices()[0].device_kind)
         self.bm = BlockManager(self.plan.num_blocks, block_size, root=root_key(json.dumps(self.fingerprint)),
                                cache=prefix_cache)

@@ -7,6 +7,7 @@ import numpy as np
 
 from ..models.hybrid_paged import StateRows
 from ..models.paged import PagedKV, init_paged_kv
+from ..quant.apply import with_impl
 from . import steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
 from .sequence import Sequence
@@ -25,7 +26,7 @@ STOP_WIDTH = 8        # stop token ids per row the device checks (a fixed width:
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0,
                  max_context: int = 0):
-        self.params = model.params
+        self.params = with_impl(model.params, attn_impl)     # quantized weights: the kernels of this impl
         self.cfg = model.cfg
         self.block_size = block_size
         self.num_blocks = num_blocks

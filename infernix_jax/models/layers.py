@@ -1,8 +1,12 @@
 """Building blocks shared by the families: RMSNorm, RoPE, gated MLP, attention over a KV cache."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import quant_matmul as qmm
 
 from ..quant.formats import QTensor, dequantize
 
@@ -41,10 +45,24 @@ def apply_rope(x, cos, sin):
     return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
 
 
+# Rows up to which a quantized matmul runs the fused kernel: decode and small batches are bound by
+# the weight bytes, which the kernel reads once. Past it, the product is compute bound and XLA
+# dequantizing the weight into a bf16 temporary for cuBLAS was faster on the H200 (1.5-3x at 4K
+# rows; about even at 256: docs/benchmarks.md).
+KERNEL_MAX_ROWS = 128
+
+
 def linear(x, w, b=None):
     """x [..., in] @ w[out, in]^T (+ b): weights stay in the checkpoints' [out, in] layout. A
-    quantized w (--weights) is dequantized here: the reference route, exact to its format."""
+    quantized w (--weights) goes through the fused dequantizing kernel where its impl asks for it,
+    the rows are few and the kernel takes its shape; else it is dequantized first."""
     if isinstance(w, QTensor):
+        rows = math.prod(x.shape[:-1])
+        if w.impl != "reference" and rows <= KERNEL_MAX_ROWS and qmm.unsupported(w.fmt, w.shape, x.dtype) is None:
+            y = qmm.quant_matmul(x.reshape(-1, x.shape[-1]), qmm.kernel_args(w), w.fmt, w.shape,
+                                 interpret=w.impl == "pallas_interpret")
+            y = y.reshape(*x.shape[:-1], w.shape[0])
+            return y if b is None else y + b
         w = dequantize(w, x.dtype)
     y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b

@@ -40,6 +40,9 @@ class QTensor:
     tensor_scale: jax.Array | None
     fmt: str = struct.field(pytree_node=False)
     shape: tuple = struct.field(pytree_node=False)      # of the dequantized matrix
+    # how layers.linear multiplies by it: "reference" (dequantize, then XLA's dot), "pallas" (the
+    # fused kernel, pallas_kernels/quant_matmul.py) or "pallas_interpret" (the same on the CPU)
+    impl: str = struct.field(pytree_node=False, default="reference")
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,122 @@
+"""Measuring what a route costs in output (infernix-quality): next-token distributions of a text
+through the served path (paged prefill, the route's kernels and dtypes), compared with the exact
+route of the unquantized model by llama.cpp's statistics, and the honest-rounding floor of each
+weight format.
+
+Routes. "lossless": float32 activations, every matmul in full f32 (no TF32), the jnp reference
+attention and dequantize-then-multiply: the reference. "default": what `infernix-serve` runs with
+the same flags (the model dtype asked for, the Pallas kernels on a GPU).
+
+Honest rounding of a format: the reference's weights (the same matrices the format quantizes)
+rounded to nearest onto the format's value grid (int8, e4m3, int4, e2m1) with an exact f32 scale
+per the format's group and nothing else changed: no scale rounding (e8m0, e4m3), no zero points,
+f32 arithmetic. Its KL is what rounding to that many bits costs by itself; a route's KL over it is
+what the format's own choices and the route's arithmetic add."""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .apply import QUANTIZABLE
+from .formats import F8, F8_MAX, E2M1_MAX, _e2m1_codes, E2M1
+
+# value grid and group of each format's honest rounding: (grid, group along the input axis, tile
+# rows: 128 for fp8b's 128 x 128 tiles, 1 otherwise); group 0 means one scale per output channel
+HONEST = {"int8": ("int8", 0, 1), "fp8": ("e4m3", 0, 1), "fp8b": ("e4m3", 128, 128), "mxfp8": ("e4m3", 32, 1),
+          "int4": ("int4", 128, 1), "nvfp4": ("e2m1", 16, 1)}
+GRID_MAX = {"int8": 127.0, "e4m3": F8_MAX, "int4": 7.0, "e2m1": E2M1_MAX}
+
+
+def _round_grid(x, grid: str):
+    if grid in ("int8", "int4"):
+        return jnp.round(x)
+    if grid == "e4m3":
+        return x.astype(F8).astype(jnp.float32)
+    return jnp.asarray(E2M1)[_e2m1_codes(x)]
+
+
+@partial(jax.jit, static_argnums=1)
+def honest_round(w, fmt: str):
+    """w [..., O, I] -> w rounded as described in the module doc (f32)."""
+    grid, g, rows = HONEST[fmt]
+    w = w.astype(jnp.float32)
+    O, I = w.shape[-2:]
+    gi = I if g == 0 else g
+    pad_i, pad_o = -I % gi, -O % rows
+    t = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, pad_o), (0, pad_i)])
+    t = t.reshape(*t.shape[:-2], t.shape[-2] // rows, rows, t.shape[-1] // gi, gi)   # [..., nO, r, nI, g]
+    amax = jnp.max(jnp.abs(t), axis=(-3, -1), keepdims=True)
+    s = jnp.where(amax > 0, amax / GRID_MAX[grid], 1.0)
+    q = _round_grid(t / s, grid) * s
+    q = q.reshape(*q.shape[:-4], O + pad_o, I + pad_i)
+    return q[..., :O, :I]
+
+
+def honest_params(params: dict, fmt: str) -> dict:
+    """The reference's params with the matrices that `fmt` quantizes honestly rounded."""
+    layers = []
+    for p in params["layers"]:
+        layers.append({k: (honest_round(v, fmt).astype(v.dtype) if k in QUANTIZABLE else v) for k, v in p.items()})
+    return {**params, "layers": layers}
+
+
+def windows(ids: list[int], ctx: int, max_tokens: int | None) -> list[list[int]]:
+    """Non-overlapping windows of ctx tokens (the last one may be shorter, if at least half)."""
+    ids = ids[:max_tokens] if max_tokens else ids
+    out = [ids[i:i + ctx] for i in range(0, len(ids), ctx)]
+    return [w for w in out if len(w) >= max(2, ctx // 2)] or ([ids] if len(ids) >= 2 else [])
+
+
+def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_size: int = 16):
+    """Log-probabilities [T, V] (numpy f32) of the next token at every position of ids, from one
+    prefill through the paged path the server runs (a fresh pool)."""
+    from ..engine.steps import prefill_logprobs
+    from ..models.paged import init_paged_kv
+    T = len(ids)
+    M = -(-T // block_size)
+    kv = init_paged_kv(cfg, M + 1, block_size, dtype, state_slots=1)
+    lp = prefill_logprobs(params, cfg, kv, jnp.asarray(ids, jnp.int32), jnp.arange(M, dtype=jnp.int32)[None],
+                          attn_impl)
+    return np.asarray(lp, np.float32)
+
+
+@dataclasses.dataclass
+class Stats:
+    mean_kl: float
+    p99_kl: float
+    p999_kl: float
+    max_kl: float
+    same_top: float
+    ppl: float
+    ppl_ratio: float
+    tokens: int
+
+    def row(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def compare(ref: list, got: list, targets: list) -> Stats:
+    """llama.cpp's KL statistics of got against ref ([T, V] log-probs per window), scored on the
+    second half of each window (every position then has at least half a window of context).
+    targets: each window's ids (the text's real next tokens give the perplexities)."""
+    kls, same, nll_ref, nll_got = [], [], [], []
+    for r, g, ids in zip(ref, got, targets):
+        lo = len(ids) // 2
+        r, g = r[lo:-1].astype(np.float64), g[lo:-1].astype(np.float64)
+        nxt = np.asarray(ids[lo + 1:])
+        kls.append(np.maximum((np.exp(r) * (r - g)).sum(-1), 0.0))
+        same.append(r.argmax(-1) == g.argmax(-1))
+        nll_ref.append(-r[np.arange(len(nxt)), nxt])
+        nll_got.append(-g[np.arange(len(nxt)), nxt])
+    kl, same = np.concatenate(kls), np.concatenate(same)
+    ppl_ref, ppl = float(np.exp(np.concatenate(nll_ref).mean())), float(np.exp(np.concatenate(nll_got).mean()))
+    return Stats(mean_kl=float(kl.mean()), p99_kl=float(np.percentile(kl, 99)), p999_kl=float(np.percentile(kl, 99.9)),
+                 max_kl=float(kl.max()), same_top=float(same.mean()), ppl=ppl, ppl_ratio=ppl / ppl_ref,
+                 tokens=int(kl.size))
+
+
+__all__ = ["HONEST", "Stats", "compare", "honest_params", "honest_round", "window_logprobs", "windows"]

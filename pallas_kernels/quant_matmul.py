@@ -1,0 +1,219 @@
+"""Matmul with the weight's dequantization fused, in Pallas (lowered through Triton; `interpret=True`
+runs it on the CPU for tests): y [M, N] = x [M, K] @ W [N, K]^T where W is stored quantized in
+the checkpoints' [out, in] layout (infernix_jax/quant/formats.py describes the formats).
+
+Grid (M / bm, N / bn, split): each program owns a [bm, bn] output tile and walks its share of K in
+steps of bk: it loads the quantized [bn, bk] weight tile (1 or 1/2 byte per weight: this is what
+decode's speed is bound by), dequantizes it in registers to x's dtype and feeds one tensor-core
+dot. Decode has few rows, so N / bn tiles alone would leave most SMs idle: K is split as well
+(`split`), and the f32 partial sums are added afterwards. Per-channel scales (int8, fp8) multiply
+the accumulator once at the end instead of every weight.
+
+The arrays the kernel takes are the QTensor's own (no repacking per call); `kernel_args` names
+them per format:
+  int8, fp8   data [N, K] 8-bit, scale [N, 1] f32
+  fp8b        data [N, K] e4m3, scale [N/128, K/128] f32 (one per 128 x 128 tile)
+  mxfp8       data [N, K] e4m3, scale [N, K/32] e8m0 (read as its exponent byte)
+  int4        data [N, K/2] bytes (element 2j in the low nibble), scale [N, K/128] f32,
+              zero [N, K/128] uint8
+  nvfp4       data [N, K/2] e2m1 codes, scale [N, K/16] e4m3, tensor scale [1] f32
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+GROUP = {"int8": 0, "fp8": 0, "fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
+PACKED = ("int4", "nvfp4")        # two weights per byte
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    bm: int = 16          # rows of x per program (decode pads its batch up to this)
+    bn: int = 64          # output columns per program
+    bk: int = 256         # weights along K per inner step
+    split: int = 0        # programs along K; 0: enough to give ~2 programs per SM
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def for_rows(m: int) -> BlockSizes:
+    """Default tiles by the number of rows: decode (few rows: bound by the weight bytes; a small
+    tile and a K split keep every SM loading) or a small batch; many rows (compute bound: large
+    tiles; infernix_jax's linear hands those to XLA instead). From the H200 sweep of
+    `infernix-bench qmatmul --tune` (docs/benchmarks.md): the tiles with the least total time over
+    int8, mxfp8, int4 and nvfp4 on qwen3-8b's up projection."""
+    if m <= 16:
+        return BlockSizes(bm=16, bn=32, bk=256, split=2)
+    if m <= 128:
+        return BlockSizes(bm=64, bn=64, bk=128)
+    return BlockSizes(bm=256, bn=128, bk=64, split=1, num_warps=8)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n (0 if none >= 16: the tensor cores' minimum)."""
+    d = 1 << max(0, cap.bit_length() - 1)
+    while d >= 16 and n % d:
+        d //= 2
+    return d if d >= 16 else 0
+
+
+def unsupported(fmt: str, shape: tuple, x_dtype) -> str | None:
+    """Why the kernel cannot take this weight (None if it can): the reference route is used then."""
+    if fmt not in GROUP:
+        return f"format {fmt!r}"
+    if len(shape) != 2:
+        return f"weight rank {len(shape)} (stacked experts go through the grouped expert kernel)"
+    N, K = shape
+    if not _pow2_divisor(N, 16) or not _pow2_divisor(K, 32):
+        return f"shape {shape}: N must be a multiple of 16 and K of 32"
+    if jnp.dtype(x_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return f"activations in {jnp.dtype(x_dtype)}"
+    return None
+
+
+def _e2m1(c):
+    """4-bit e2m1 codes (sign << 3 | exponent << 1 | mantissa) -> f32, built as f32 bits: a normal
+    code is 2^(e-1) * (1 + m/2), the one subnormal (e = 0, m = 1) is 0.5."""
+    c = c.astype(jnp.uint32)
+    e, m = (c >> 1) & 3, c & 1
+    bits = jnp.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23)) | ((c >> 3) << 31)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _pow2(u):
+    """e8m0 exponent bytes -> 2^(u - 127) in f32 (u = 0, 2^-127, reads as 0: no real scale is that small)."""
+    return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 23, jnp.float32)
+
+
+def _unpack(b):
+    """[n, k/2] bytes -> [n, k] nibbles, element 2j from byte j's low nibble."""
+    return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], 2 * b.shape[1])
+
+
+def _spread(s, bk: int, g: int):
+    """Scales of one tile [n, max(1, bk/g)] -> [n, bk] (each repeated over its group)."""
+    n, G = s.shape
+    return jnp.broadcast_to(s[:, :, None], (n, G, bk // G)).reshape(n, bk)
+
+
+def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision):
+    x_ref, d_ref, s_ref, *rest, o_ref = refs
+    # x_ref [bm, K]; d_ref [bn, K or K/2] this program's weight rows; s_ref: see the module doc
+    # (rows of this tile, or the row-block's for fp8b); o_ref [bm, bn]
+    split = pl.program_id(2)
+    g = GROUP[fmt]
+    per = bk // 2 if fmt in PACKED else bk                   # stored elements per step along K
+    G = max(1, bk // g) if g else 1                          # scale columns per step
+
+    def tile(i):
+        k = (split * steps + i) * bk                         # first weight of this step
+        x = x_ref[:, pl.ds(k, bk)]
+        d = d_ref[:, pl.ds((split * steps + i) * per, per)]
+        if fmt in ("int8", "fp8"):
+            return x, d.astype(x.dtype)
+        s = s_ref[:, pl.ds(k // g, G)]                       # [bn or 1, G]
+        if fmt == "fp8b":                                    # one row of scales for the whole tile
+            w = d.astype(jnp.float32) * _spread(jnp.broadcast_to(s, (bn, G)), bk, g)
+        elif fmt == "mxfp8":
+            s = _pow2(s)                                     # e8m0: the exponent byte
+            w = d.astype(jnp.float32) * _spread(s, bk, g)
+        elif fmt == "int4":
+            z = rest[0][:, pl.ds(k // g, G)].astype(jnp.float32)
+            w = (_unpack(d).astype(jnp.float32) - _spread(z, bk, g)) * _spread(s, bk, g)
+        else:                                                # nvfp4
+            w = _e2m1(_unpack(d)) * _spread(s.astype(jnp.float32) * rest[0][0], bk, g)
+        return x, w.astype(x.dtype)
+
+    def body(i, acc):
+        x, w = tile(i)
+        return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    if fmt in ("int8", "fp8"):
+        acc = acc * s_ref[...].reshape(1, bn)
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def kernel_args(q) -> tuple:
+    """The arrays of a QTensor the kernel reads, in its order (e8m0 scales as their exponent byte)."""
+    if q.fmt == "mxfp8":
+        return q.data, jax.lax.bitcast_convert_type(q.scale, jnp.uint8)
+    if q.fmt == "int4":
+        return q.data, q.scale, q.zero
+    if q.fmt == "nvfp4":
+        return q.data, q.scale, q.tensor_scale.reshape(1)
+    return q.data, q.scale
+
+
+def _compiler_params(bs: BlockSizes):
+    try:
+        from jax.experimental.pallas import triton as pltriton
+        return pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    except (ImportError, AttributeError):
+        return None
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "shape", "block_sizes", "interpret"))
+def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes | None = None,
+                 interpret: bool = False):
+    """x [M, K] @ dequantize(W)^T -> [M, N] in x's dtype, W of `shape` (N, K) given as kernel_args(W).
+    f32 activations are multiplied exactly (no TF32): that is the lossless route's arithmetic."""
+    why = unsupported(fmt, shape, x.dtype)
+    if why:
+        raise ValueError(f"quant_matmul cannot take this weight: {why}")
+    M, K = x.shape
+    N = shape[0]
+    if K != shape[1]:
+        raise ValueError(f"x has K={K}, the weight {shape}")
+    bs = block_sizes or for_rows(M)
+    g = GROUP[fmt]
+    bn = _pow2_divisor(N, min(bs.bn, 128) if fmt == "fp8b" else bs.bn)
+    bk = _pow2_divisor(K, max(bs.bk, 32))                    # >= 16 bytes of packed weights per step
+    bm = max(16, min(bs.bm, 1 << max(0, (M - 1).bit_length())))
+    Mp = pl.cdiv(M, bm) * bm
+    xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
+    tiles = (Mp // bm) * (N // bn)
+    k_steps = K // bk
+    split = bs.split or max(1, min(k_steps, 264 // max(tiles, 1)))
+    while k_steps % split:
+        split -= 1
+    steps = k_steps // split
+    per_row_scale = g == 0
+    d, s, *rest = args
+    G = (lambda n_: pl.BlockSpec((bn, n_), lambda m, n, k: (n, 0)))
+    in_specs = [pl.BlockSpec((bm, K), lambda m, n, k: (m, 0)),
+                pl.BlockSpec((bn, d.shape[1]), lambda m, n, k: (n, 0))]
+    if per_row_scale:
+        in_specs.append(G(1))
+    elif fmt == "fp8b":                                      # one scale row per 128 output rows
+        in_specs.append(pl.BlockSpec((1, s.shape[1]), lambda m, n, k: (n * bn // 128, 0)))
+    else:
+        in_specs.append(G(s.shape[1]))
+    if fmt == "int4":
+        in_specs.append(G(rest[0].shape[1]))
+    elif fmt == "nvfp4":
+        in_specs.append(pl.BlockSpec((1,), lambda m, n, k: (0,)))
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    out_dtype = x.dtype if split == 1 else jnp.float32
+    kernel = functools.partial(_kernel, fmt=fmt, bk=bk, bn=bn, steps=steps, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(Mp // bm, N // bn, split),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bm, bn), lambda m, n, k: (k, m, n)),
+        out_shape=jax.ShapeDtypeStruct((split, Mp, N), out_dtype),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(bs),
+        name=f"quant_matmul_{fmt}",
+    )(xp, d, s, *rest)
+    out = out[0] if split == 1 else out.sum(axis=0).astype(x.dtype)
+    return out[:M]
+
+
+__all__ = ["BlockSizes", "GROUP", "for_rows", "kernel_args", "quant_matmul", "unsupported"]

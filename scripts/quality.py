@@ -1,0 +1,129 @@
+"""infernix-quality: what each route costs in output, measured against the exact route.
+
+  infernix-quality --text FILE [--model M] [--route default,lossless] [--weights none,int8,int4,...]
+                   [--ctx 512] [--max-tokens 4096] [--json OUT]
+
+The text is cut into windows of --ctx tokens. The reference is the lossless route (float32, full
+f32 matmuls, reference kernels) of the model as loaded; every route x weight format is compared
+with it on the second half of each window: mean KL divergence, its 99th and 99.9th percentiles and
+maximum, how often the most likely next token is the same, and the perplexity ratio on the text.
+Each format also gets its honest-rounding floor: the KL of the reference with its weights rounded to
+the format's values with exact scales and nothing else changed (infernix_jax/quant/quality.py), and
+each route's mean KL over that floor. Prints a table and writes the numbers as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from scripts._common import run
+
+
+def main(argv=None) -> int:
+    from infernix_jax.hub import DEFAULT_MODEL
+    from infernix_jax.quant import FORMATS
+    p = argparse.ArgumentParser(prog="infernix-quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face model directory, a .gguf file, or an alias")
+    p.add_argument("--text", required=True, help="a UTF-8 text file to score")
+    p.add_argument("--route", default="default,lossless",
+                   help="routes to measure, comma-separated: default (what infernix-serve runs), lossless")
+    p.add_argument("--weights", default="none," + ",".join(FORMATS),
+                   help=f"weight formats, comma-separated: none (as loaded) or any of {', '.join(FORMATS)}")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the default route's compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per window (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="score at most this many tokens of the text")
+    p.add_argument("--json", default="quality.json", help="where to write the results (default %(default)s)")
+
+    def go():
+        a = p.parse_args(argv)
+        routes = [r for r in a.route.split(",") if r]
+        fmts = [f for f in a.weights.split(",") if f]
+        if not routes or set(routes) - {"default", "lossless"}:
+            raise ValueError(f"--route takes default and/or lossless, not {a.route!r}")
+        bad = set(fmts) - set(FORMATS) - {"none"}
+        if not fmts or bad:
+            raise ValueError(f"unknown --weights {', '.join(sorted(bad)) or '(none given)'}; "
+                             f"choose from none, {', '.join(FORMATS)}")
+        if a.ctx < 16 or a.max_tokens < 16:
+            raise ValueError("--ctx and --max-tokens must be >= 16")
+        with open(a.text, encoding="utf-8") as f:
+            text = f.read()
+        res = measure(a.model, text, routes, fmts, a.dtype, a.ctx, a.max_tokens)
+        res["text"] = a.text
+        print(table(res))
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {a.json}", file=sys.stderr)
+
+    return run("infernix-quality", go)
+
+
+def _cast(params, dtype):
+    import jax
+    import jax.numpy as jnp
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtype: str | None, ctx: int,
+            max_tokens: int) -> dict:
+    import jax
+    from infernix_jax.loader import DTYPES, load_model
+    from infernix_jax.quant import quality as ql
+    from infernix_jax.quant.apply import quantize_params, with_impl
+    model = load_model(model_spec, dtype="float32")
+    ids = model.tokenizer.encode(text)
+    wins = ql.windows(ids, ctx, max_tokens)
+    if not wins:
+        raise ValueError(f"the text has {len(ids)} tokens: too few to score")
+    on_gpu = jax.devices()[0].platform == "gpu"
+    dt = DTYPES[dtype or ("bfloat16" if on_gpu else "float32")]
+    cfg, f32 = model.cfg, DTYPES["float32"]
+
+    def logprobs(params, route: str, dtype_, impl: str):
+        if route == "lossless":
+            with jax.default_matmul_precision("highest"):
+                return [ql.window_logprobs(params, cfg, w, dtype_, impl) for w in wins]
+        return [ql.window_logprobs(params, cfg, w, dtype_, impl) for w in wins]
+
+    t0 = time.perf_counter()
+    ref = logprobs(model.params, "lossless", f32, "reference")
+    res = {"model": model.name, "device": jax.devices()[0].device_kind, "ctx": ctx, "windows": len(wins),
+           "scored_tokens": sum(len(w) - len(w) // 2 - 1 for w in wins), "default_dtype": str(dt.__name__),
+           "reference": "lossless route, weights as loaded", "rows": []}
+    floors = {}
+    for fmt in fmts:
+        if fmt != "none":
+            floor = ql.compare(ref, logprobs(ql.honest_params(model.params, fmt), "lossless", f32, "reference"), wins)
+            floors[fmt] = floor
+            res["rows"].append({"route": "honest rounding", "weights": fmt, **floor.row()})
+        for route in routes:
+            lossless = route == "lossless"
+            base = model.params if lossless else _cast(model.params, dt)
+            params = base if fmt == "none" else quantize_params(base, fmt, progress=False)
+            impl = "reference" if lossless or not on_gpu else "pallas"
+            st = ql.compare(ref, logprobs(with_impl(params, impl), route, f32 if lossless else dt, impl), wins)
+            row = {"route": route, "weights": fmt, **st.row()}
+            if fmt in floors and floors[fmt].mean_kl > 0:
+                row["of_honest"] = round(st.mean_kl / floors[fmt].mean_kl, 3)
+            res["rows"].append(row)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def table(res: dict) -> str:
+    head = f"{'route':<16} {'weights':<8} {'mean KL':>9} {'p99 KL':>9} {'p99.9 KL':>9} {'same top':>9} " \
+           f"{'ppl ratio':>9} {'x honest':>9}"
+    lines = [f"{res['model']}: {res['scored_tokens']} tokens scored in {res['windows']} windows of {res['ctx']}; "
+             f"reference: {res['reference']}", head, "-" * len(head)]
+    for r in res["rows"]:
+        ratio = f"{r['of_honest']:.2f}" if "of_honest" in r else "-"
+        lines.append(f"{r['route']:<16} {r['weights']:<8} {r['mean_kl']:>9.5f} {r['p99_kl']:>9.5f} {r['p999_kl']:>9.5f} "
+                     f"{100 * r['same_top']:>8.1f}% {r['ppl_ratio']:>9.4f} {ratio:>9}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

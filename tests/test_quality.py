@@ -1,0 +1,102 @@
+"""infernix-quality and the routes: the honest-rounding floor of each format, the statistics, and
+the CLI against the real SmolLM2 (the lossless route of the model as loaded is the reference)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.quant.formats import E2M1, FORMATS, dequantize, quantize
+from infernix_jax.quant.quality import Stats, compare, honest_round, windows
+
+
+def weights(seed, shape=(40, 300)):
+    return jax.random.t(jax.random.PRNGKey(seed), 5.0, shape) * 0.02
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_honest_rounding_lands_on_the_format_grid_with_exact_scales(fmt):
+    w = weights(1)
+    h = np.asarray(honest_round(w, fmt))
+    assert h.shape == w.shape and np.isfinite(h).all()
+    np.testing.assert_allclose(np.asarray(honest_round(jnp.asarray(h), fmt)), h, rtol=1e-6, atol=1e-9)  # idempotent
+    if fmt in ("int8", "fp8"):     # the formats that are already round-to-nearest with exact f32 scales
+        np.testing.assert_allclose(h, np.asarray(dequantize(quantize(w, fmt))), rtol=1e-6, atol=1e-9)
+    if fmt == "nvfp4":             # every group of 16 holds e2m1 values times one scale
+        g = np.pad(h, ((0, 0), (0, -300 % 16))).reshape(40, -1, 16)
+        s = np.abs(g).max(-1, keepdims=True) / 6
+        ratio = np.divide(g, s, out=np.zeros_like(g), where=s > 0)
+        assert np.isin(np.round(ratio, 4), np.round(E2M1, 4)).all()
+    err = np.abs(h - np.asarray(w)).mean()
+    ours = np.abs(np.asarray(dequantize(quantize(w, fmt))) - np.asarray(w)).mean()
+    assert 0 < err <= ours * 1.6          # the same number of value bits: never far worse than the format
+
+
+def test_statistics_of_identical_and_shifted_distributions():
+    rng = np.random.default_rng(0)
+    ids = [list(rng.integers(0, 8, 20))]
+    ref = [np.log(rng.dirichlet(np.ones(8), 20)).astype(np.float32)]
+    same = compare(ref, ref, ids)
+    assert isinstance(same, Stats) and same.mean_kl == 0 and same.same_top == 1 and same.ppl_ratio == 1
+    assert same.tokens == 9                               # the second half of the window, last position excluded
+    flat = [np.full_like(ref[0], -np.log(8))]
+    st = compare(ref, flat, ids)
+    assert st.mean_kl > 0 and st.p99_kl >= st.mean_kl and st.max_kl >= st.p999_kl
+    assert windows(list(range(90)), 40, None) == [list(range(40)), list(range(40, 80))]   # 10 left: < half
+    assert len(windows(list(range(100)), 40, None)) == 3
+    assert windows(list(range(100)), 40, 60) == [list(range(40)), list(range(40, 60))]
+
+
+def test_quality_cli_measures_routes_and_floors(smollm, tmp_path, capsys):
+    from scripts.quality import main
+    text = tmp_path / "text.txt"
+    text.write_text("The river Tagus rises in the mountains of eastern Spain and flows west through Toledo "
+                    "before it reaches the Atlantic at Lisbon, where its estuary forms one of the largest "
+                    "natural harbours of Europe. Its basin drains much of the central plateau.")
+    out = tmp_path / "q.json"
+    assert main(["--text", str(text), "--weights", "none,int8,nvfp4", "--route", "default,lossless",
+                 "--ctx", "32", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "honest rounding" in table and "x honest" in table
+    res = json.loads(out.read_text())
+    rows = {(r["route"], r["weights"]): r for r in res["rows"]}
+    assert res["windows"] >= 1 and res["scored_tokens"] > 10
+    for route in ("default", "lossless"):
+        assert rows[(route, "none")]["mean_kl"] == 0 and rows[(route, "none")]["same_top"] == 1
+    # int8 per channel is itself round-to-nearest with exact scales: exactly its floor on the CPU
+    assert rows[("lossless", "int8")]["of_honest"] == pytest.approx(1.0, abs=0.02)
+    assert 0 < rows[("honest rounding", "int8")]["mean_kl"] < rows[("honest rounding", "nvfp4")]["mean_kl"]
+    assert rows[("default", "nvfp4")]["of_honest"] > 0
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--text", "/nonexistent.txt"], "No such file"),
+    (["--text", "README.md", "--weights", "int3"], "unknown --weights int3"),
+    (["--text", "README.md", "--route", "fast"], "--route takes default and/or lossless"),
+    (["--text", "README.md", "--ctx", "4"], "--ctx and --max-tokens must be >= 16"),
+])
+def test_quality_cli_bad_input_is_one_line(args, msg, capsys):
+    from scripts.quality import main
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_lossless_flag_checks_its_company():
+    import argparse
+    from scripts._common import add_model_args, apply_route
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    p.add_argument("--attn-impl", default=None)
+    with pytest.raises(ValueError, match="--lossless computes in float32"):
+        apply_route(p.parse_args(["--lossless", "--dtype", "bfloat16"]))
+    with pytest.raises(ValueError, match="reference attention"):
+        apply_route(p.parse_args(["--lossless", "--attn-impl", "pallas"]))
+    before = jax.config.jax_default_matmul_precision
+    try:
+        a = p.parse_args(["--lossless"])
+        apply_route(a)
+        assert a.attn_impl == "reference" and jax.config.jax_default_matmul_precision == "highest"
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
