@@ -12,7 +12,9 @@ from .config import ConfigError, ModelConfig
 from .hub import ALIASES, resolve
 from .models.params import declare_params
 from .tokenizer import Tokenizer, TokenizerError
+from .quant.formats import QTensor
 from .weights.common import ModelLoadError, materialize
+from .weights.converted import config_from_manifest, is_converted, load_params, read_manifest
 from .weights.gguf_io import GGUFSource, open_gguf, read_metadata
 from .weights.safetensors_io import SafetensorsSource
 
@@ -39,17 +41,16 @@ def _gguf_config(path: Path, kv: dict, src: GGUFSource) -> ModelConfig:
     return ModelConfig.from_gguf_fields(kv, set(src.tensors), int(embed.shape[-1]))
 
 
-def _load_gguf(path: Path, dtype, with_tokenizer: bool):
+def _gguf_source(path: Path, with_tokenizer: bool):
     reader = open_gguf(path)
     kv = read_metadata(reader, full_arrays=with_tokenizer)
     src = GGUFSource(reader)
     cfg = _gguf_config(path, kv, src)
     tok = Tokenizer.from_gguf_metadata(kv) if with_tokenizer else None
-    params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
-    return cfg, params, tok, generation_config.from_gguf(kv)
+    return cfg, src.fetch, tok, generation_config.from_gguf(kv)
 
 
-def _load_hf_dir(path: Path, dtype, with_tokenizer: bool):
+def _hf_source(path: Path, with_tokenizer: bool):
     cfg = ModelConfig.from_hf_dir(path)
     src = SafetensorsSource(path)
     tok = Tokenizer.from_hf_dir(path) if with_tokenizer and (path / "tokenizer.json").exists() else None
@@ -62,13 +63,40 @@ def _load_hf_dir(path: Path, dtype, with_tokenizer: bool):
     vision = sum(n.startswith(("model.visual.", "visual.")) for n in src.names())
     if vision:
         log.info("%s: skipping %d vision tensors (image input is not supported yet)", path.name, vision)
-    params = materialize(declare_params(cfg), src.fetch, dtype, desc=f"loading {path.name}")
-    return cfg, params, tok, generation_config.from_hf_dir(path)
+    return cfg, src.fetch, tok, generation_config.from_hf_dir(path)
+
+
+def source_of(path: Path, with_tokenizer: bool = True):
+    """(config, fetch(ParamSpec) -> numpy array, tokenizer, generation defaults) of an HF directory
+    or a GGUF file: what loading and converting read tensor by tensor."""
+    try:
+        if path.is_dir() and not is_converted(path):
+            return _hf_source(path, with_tokenizer)
+        if path.suffix == ".gguf" or _looks_like_gguf(path):
+            return _gguf_source(path, with_tokenizer)
+    except (ConfigError, TokenizerError, ValueError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    raise ModelLoadError(f"{path} is not a model: pass a Hugging Face model directory "
+                         f"(config.json + safetensors), a .gguf file, a converted checkpoint or an alias")
+
+
+def _load_converted(path: Path, dtype, with_tokenizer: bool, weights: str | None):
+    m = read_manifest(path)
+    cfg = config_from_manifest(path, m)
+    stored = m.get("weights", "")
+    if weights and stored and weights != stored:
+        raise ModelLoadError(f"{path} holds {stored} weights; --weights {weights} would round them twice: "
+                             f"convert the source again with --weights {weights}")
+    params = load_params(path, m, cfg, dtype)
+    tok = Tokenizer.from_hf_dir(path) if with_tokenizer and (path / "tokenizer.json").exists() else None
+    return cfg, params, tok, generation_config.from_hf_dir(path), stored
 
 
 def load_config(spec: str) -> ModelConfig:
     """The config alone (no weights are read): for planning memory before a start."""
     path = resolve(spec)
+    if is_converted(path):
+        return config_from_manifest(path, read_manifest(path))
     try:
         if path.is_dir():
             return ModelConfig.from_hf_dir(path)
@@ -78,7 +106,7 @@ def load_config(spec: str) -> ModelConfig:
     except ConfigError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     raise ModelLoadError(f"{path} is not a model: pass a Hugging Face model directory "
-                         f"(config.json + safetensors), a .gguf file or an alias")
+                         f"(config.json + safetensors), a .gguf file, a converted checkpoint or an alias")
 
 
 def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, weights: str | None = None) -> LoadedModel:
@@ -91,17 +119,13 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
         raise ModelLoadError(f"unknown weight format {weights!r}; choose one of {', '.join(FORMATS)}")
     path = resolve(spec)
     jdt = DTYPES[dtype]
-    try:
-        if path.is_dir():
-            cfg, params, tok, gen = _load_hf_dir(path, jdt, with_tokenizer)
-        elif path.suffix == ".gguf" or _looks_like_gguf(path):
-            cfg, params, tok, gen = _load_gguf(path, jdt, with_tokenizer)
-        else:
-            raise ModelLoadError(f"{path} is not a model: pass a Hugging Face model directory "
-                                 f"(config.json + safetensors), a .gguf file or an alias")
-    except (ConfigError, TokenizerError, ValueError) as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-    if weights:
+    if is_converted(path):
+        cfg, params, tok, gen, stored = _load_converted(path, jdt, with_tokenizer, weights)
+        weights = weights or stored or None
+    else:
+        cfg, fetch, tok, gen = source_of(path, with_tokenizer)
+        params = materialize(declare_params(cfg), fetch, jdt, desc=f"loading {path.name}")
+    if weights and not any(isinstance(v, QTensor) for p in params["layers"] for v in p.values()):
         from .quant.apply import quantize_params
         params = quantize_params(params, weights)
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,

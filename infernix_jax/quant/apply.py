@@ -17,16 +17,20 @@ QUANTIZABLE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_
 _quantize = jax.jit(quantize, static_argnums=1)
 
 
+def quantize_layer(p: dict, fmt: str) -> dict:
+    """A copy of one layer's params with its QUANTIZABLE matrices in format fmt."""
+    q = dict(p)
+    for name in QUANTIZABLE & q.keys():
+        if not isinstance(q[name], QTensor):
+            q[name] = _quantize(q[name], fmt)
+    return q
+
+
 def quantize_params(params: dict, fmt: str, progress: bool = True) -> dict:
     """A copy of params with each layer's QUANTIZABLE matrices in format fmt (one layer at a time,
     so the peak is one layer's worth of both forms)."""
-    layers = []
-    for p in tqdm(params["layers"], desc=f"quantizing weights to {fmt}", unit="layer", disable=not progress):
-        q = dict(p)
-        for name in QUANTIZABLE & q.keys():
-            if not isinstance(q[name], QTensor):
-                q[name] = _quantize(q[name], fmt)
-        layers.append(q)
+    layers = [quantize_layer(p, fmt) for p in tqdm(params["layers"], desc=f"quantizing weights to {fmt}",
+                                                   unit="layer", disable=not progress)]
     return {**params, "layers": layers}
 
 

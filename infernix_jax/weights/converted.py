@@ -1,0 +1,234 @@
+"""Converted checkpoints (infernix-convert): a model as Orbax checkpoints, one per part, so that a
+model larger than RAM converts and loads one decoder layer at a time.
+
+  DST/infernix.json          the manifest: format and version, where it came from, the compute dtype,
+                             the weight format, the model config, and for every tensor its part,
+                             shape, dtype, bytes and BLAKE2b digest (checked on load)
+  DST/params/top/            embeddings, final norm, LM head, MTP: what is outside the layers
+  DST/params/layer_000/ ...  one decoder layer each
+  DST/tokenizer.json, tokenizer_config.json, generation_config.json (and the source's config.json)
+
+A quantized matrix (QTensor) is stored as its arrays, `name.data`, `name.scale` (and `name.zero`,
+`name.tensor_scale`), with its format and logical shape in the manifest."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..models.params import ParamSpec, declare_params
+from ..quant.formats import QTensor
+from .common import ModelLoadError
+
+MANIFEST = "infernix.json"
+FORMAT, VERSION = "infernix-orbax", 1
+QPARTS = ("data", "scale", "zero", "tensor_scale")
+HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+            "special_tokens_map.json")
+
+
+def is_converted(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).exists()
+
+
+def _name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def parts_of(specs: dict) -> dict[str, list[tuple[str, ParamSpec]]]:
+    """part -> [(tensor name, spec)]: "top" and one "layer_NNN" per decoder layer."""
+    out: dict[str, list] = {}
+    leaves, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    for path, spec in leaves:
+        name = _name(path)
+        first = name.split("/")
+        part = f"layer_{int(first[1]):03d}" if first[0] == "layers" else "top"
+        out.setdefault(part, []).append((name, spec))
+    return out
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(a).view(np.uint8).data, digest_size=16).hexdigest()
+
+
+def _arrays(name: str, value) -> dict[str, np.ndarray]:
+    if isinstance(value, QTensor):
+        return {f"{name}.{k}": np.asarray(getattr(value, k)) for k in QPARTS if getattr(value, k) is not None}
+    return {name: np.asarray(value)}
+
+
+def _ckpt():
+    import orbax.checkpoint as ocp
+    return ocp, ocp.PyTreeCheckpointer()
+
+
+def write_part(dst: Path, part: str, tensors: dict) -> dict:
+    """Save {name: array or QTensor} as params/<part>; returns the manifest entries."""
+    ocp, ck = _ckpt()
+    flat, entries = {}, {}
+    for name, value in tensors.items():
+        arrays = _arrays(name, value)
+        flat.update(arrays)
+        if isinstance(value, QTensor):
+            entries[name] = {"part": part, "fmt": value.fmt, "shape": list(value.shape),
+                             "arrays": {k: _entry(a) for k, a in arrays.items()}}
+        else:
+            entries[name] = {"part": part, **_entry(arrays[name])}
+    # orbax keys may not hold "/" or ".": store under escaped names, restore maps them back
+    ck.save(str(dst / "params" / part), {_key(k): v for k, v in flat.items()})
+    return entries
+
+
+def _key(name: str) -> str:
+    return name.replace("/", "__").replace(".", "_dot_")
+
+
+def _entry(a: np.ndarray) -> dict:
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "bytes": int(a.nbytes), "blake2b": _digest(a)}
+
+
+def _check(path: Path, name: str, a, e: dict) -> np.ndarray:
+    if a is None:
+        raise ModelLoadError(f"{path}: tensor {name} is missing from params/{e.get('part')}; the checkpoint "
+                             f"is incomplete: convert it again")
+    if list(a.shape) != e["shape"] or str(a.dtype) != e["dtype"]:
+        raise ModelLoadError(f"{path}: tensor {name} is {a.dtype}{list(a.shape)}, the manifest says "
+                             f"{e['dtype']}{e['shape']}: the checkpoint does not match its manifest")
+    if _digest(a) != e["blake2b"]:
+        raise ModelLoadError(f"{path}: tensor {name} fails its checksum: the checkpoint is damaged; convert it again")
+    return a
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        m = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}/{MANIFEST} cannot be read ({e}); convert the model again") from None
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise ModelLoadError(f"{path}: not an {FORMAT} v{VERSION} checkpoint (format {m.get('format')!r}, "
+                             f"version {m.get('version')!r}); convert it again with this version")
+    return m
+
+
+def config_from_manifest(path: Path, m: dict) -> ModelConfig:
+    try:
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()}
+        return ModelConfig(**d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: the manifest's model config is not usable ({e}); convert it again") from None
+
+
+def load_params(path: Path, m: dict, cfg: ModelConfig, dtype, progress: bool = True) -> dict:
+    """Restore every part onto the device, checking each tensor against the manifest. Unquantized
+    float tensors are cast to dtype; quantized ones keep their stored dtypes."""
+    ocp, ck = _ckpt()
+    specs = declare_params(cfg)
+    tensors = m.get("tensors", {})
+    values = {}
+    for part, items in tqdm(parts_of(specs).items(), desc=f"loading {path.name}", unit="part", leave=False,
+                            disable=None if progress else True):
+        d = path / "params" / part
+        if not d.exists():
+            raise ModelLoadError(f"{path}: params/{part} is missing; the checkpoint is incomplete: convert it again")
+        try:
+            meta = ck.metadata(str(d))
+            tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
+            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), dict(tree))
+            raw = ck.restore(str(d), restore_args=args)
+        except Exception as e:  # orbax / tensorstore errors on damaged files come in many types
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise ModelLoadError(f"{path}: params/{part} cannot be read ({first}); the checkpoint is damaged: "
+                                 f"convert it again") from None
+        for name, spec in items:
+            e = tensors.get(name)
+            if e is None:
+                raise ModelLoadError(f"{path}: the manifest has no tensor {name}, which this model needs: the "
+                                     f"checkpoint and its config do not match")
+            if "fmt" in e:
+                arrs = {k.rsplit(".", 1)[1]: jnp.asarray(_check(path, k, raw.get(_key(k)), {**ae, "part": part}))
+                        for k, ae in e["arrays"].items()}
+                values[name] = QTensor(arrs["data"], arrs["scale"], arrs.get("zero"), arrs.get("tensor_scale"),
+                                       e["fmt"], tuple(e["shape"]))
+                if tuple(e["shape"]) != spec.shape:
+                    raise ModelLoadError(f"{path}: tensor {name} is {e['shape']}, the config needs {list(spec.shape)}")
+            else:
+                a = _check(path, name, raw.get(_key(name)), e)
+                if tuple(a.shape) != spec.shape:
+                    raise ModelLoadError(f"{path}: tensor {name} is {list(a.shape)}, the config needs {list(spec.shape)}")
+                values[name] = jnp.asarray(a, dtype=dtype if np.issubdtype(a.dtype, np.floating) or
+                                           a.dtype == jnp.bfloat16 else a.dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    return jax.tree_util.tree_unflatten(treedef, [values[_name(p)] for p, _ in leaves])
+
+
+def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str = "bfloat16",
+            progress: bool = True) -> dict:
+    """Convert a model (alias, HF directory or GGUF file) into dst, a layer at a time: read the
+    layer's tensors, quantize its projections to `weights`, save, let go. Returns the manifest."""
+    from ..hub import resolve
+    from ..loader import DTYPES, source_of
+    from ..quant.apply import quantize_layer
+    from ..quant.formats import FORMATS
+    if weights and weights not in FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    src_path = resolve(spec)
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst} exists and is not empty; choose a new directory")
+    cfg, fetch, tok, gen = source_of(src_path)
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "params").mkdir(parents=True)
+    from .common import materialize
+    t0 = time.perf_counter()
+    tensors: dict = {}
+    parts = parts_of(declare_params(cfg))
+    bar = tqdm(parts.items(), desc=f"converting {src_path.name}", unit="part", disable=None if progress else True)
+    for part, items in bar:
+        vals = materialize({n: s for n, s in items}, fetch, DTYPES[dtype], desc=part)
+        if weights and part != "top":
+            short = {n.split("/", 2)[2]: v for n, v in vals.items()}
+            short = quantize_layer(short, weights)
+            vals = {f"layers/{int(part[6:])}/{k}": v for k, v in short.items()}
+        tensors.update(write_part(tmp, part, vals))
+        del vals
+    _write_tokenizer(src_path, tmp, tok, gen)
+    total = sum(e.get("bytes", 0) + sum(a["bytes"] for a in e.get("arrays", {}).values()) for e in tensors.values())
+    manifest = {"format": FORMAT, "version": VERSION, "source": str(src_path), "dtype": dtype,
+                "weights": weights or "", "config": dataclasses.asdict(cfg), "total_bytes": total,
+                "seconds": round(time.perf_counter() - t0, 1), "tensors": tensors}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if dst.exists():
+        dst.rmdir()
+    tmp.rename(dst)           # the directory appears whole or not at all
+    return manifest
+
+
+def _write_tokenizer(src: Path, dst: Path, tok, gen: dict) -> None:
+    if src.is_dir():
+        for f in HF_FILES:
+            if (src / f).exists():
+                shutil.copy2(src / f, dst / f)
+        return
+    if tok is None:
+        return
+    tok.tok.save(str(dst / "tokenizer.json"))
+    cfg = {k: v for k, v in tok.special_tokens_map.items()}
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    (dst / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": list(tok.eos_ids)}, indent=1))
+
+
+__all__ = ["MANIFEST", "convert", "is_converted", "load_params", "read_manifest"]

@@ -1,0 +1,126 @@
+"""infernix-convert: the real SmolLM2 into converted checkpoints and back (exact round trips, with
+and without quantized projections), a converted model served over HTTP, and clear errors for
+damaged, incomplete or mismatched checkpoints."""
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from infernix_jax.loader import load_model
+from infernix_jax.quant.formats import QTensor
+from infernix_jax.weights import ModelLoadError
+from scripts.convert import main as convert_main
+
+
+def leaves(params):
+    return jax.tree.leaves(params)
+
+
+@pytest.fixture(scope="module")
+def converted(smollm, tmp_path_factory):
+    """SmolLM2 converted as float32 with nothing quantized, and with nvfp4 projections."""
+    root = tmp_path_factory.mktemp("converted")
+    out = {}
+    for name, extra in (("plain", []), ("nvfp4", ["--weights", "nvfp4"])):
+        assert convert_main([str(smollm.path), str(root / name), "--dtype", "float32", *extra]) == 0
+        out[name] = root / name
+    return out
+
+
+def test_round_trip_is_exact_and_keeps_the_tokenizer(smollm, converted):
+    m = load_model(str(converted["plain"]))
+    assert m.cfg == smollm.cfg and m.weights_format == ""
+    for a, b in zip(leaves(m.params), leaves(smollm.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chat = [{"role": "user", "content": "Hi there, what is 2+2?"}]
+    assert m.tokenizer.encode_chat(chat) == smollm.tokenizer.encode_chat(chat)
+    assert m.tokenizer.eos_ids == smollm.tokenizer.eos_ids
+    man = json.loads((converted["plain"] / "infernix.json").read_text())
+    assert man["total_bytes"] == sum(np.asarray(x).nbytes for x in leaves(smollm.params))
+
+
+def test_quantized_round_trip_keeps_the_format(smollm, converted):
+    from infernix_jax.quant.apply import quantize_params
+    m = load_model(str(converted["nvfp4"]))
+    assert m.weights_format == "nvfp4"
+    want = quantize_params(smollm.params, "nvfp4", progress=False)
+    assert isinstance(m.params["layers"][3]["w_up"], QTensor)
+    for a, b in zip(leaves(m.params), leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ModelLoadError, match="holds nvfp4 weights; --weights int8 would round them twice"):
+        load_model(str(converted["nvfp4"]), weights="int8")
+    assert load_model(str(converted["nvfp4"]), weights="nvfp4").weights_format == "nvfp4"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "int4"])
+def test_every_quantized_array_kind_survives(smollm, tmp_path, fmt):
+    """e8m0 scales (mxfp8) and integer zero points (int4) come back bit for bit."""
+    from infernix_jax.quant.apply import quantize_layer
+    assert convert_main([str(smollm.path), str(tmp_path / fmt), "--dtype", "float32", "--weights", fmt]) == 0
+    got = load_model(str(tmp_path / fmt), with_tokenizer=False).params["layers"][5]
+    want = quantize_layer(smollm.params["layers"][5], fmt)
+    for a, b in zip(leaves(got), leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_converted_model_serves_and_answers(converted, tmp_path_factory):
+    import openai
+    from conftest import start_server
+    for url in start_server(tmp_path_factory, "--model", str(converted["nvfp4"]), "--max-batch", "2"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert r.choices[0].message.content.strip()
+        assert r.usage.completion_tokens > 0
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _biggest_file(d: Path) -> Path:
+    return max((f for f in d.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def test_damaged_incomplete_and_mismatched_checkpoints_are_clear_errors(converted, tmp_path):
+    src = converted["nvfp4"]
+    bad = _copy(src, tmp_path / "a")                     # flipped bytes inside a layer's data
+    f = _biggest_file(bad / "params" / "layer_003")
+    data = bytearray(f.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 64):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="damaged"):
+        load_model(str(bad))
+    gone = _copy(src, tmp_path / "b")                    # a part missing
+    shutil.rmtree(gone / "params" / "layer_007")
+    with pytest.raises(ModelLoadError, match="params/layer_007 is missing"):
+        load_model(str(gone))
+    odd = _copy(src, tmp_path / "c")                     # the manifest and the data disagree
+    man = json.loads((odd / "infernix.json").read_text())
+    man["tensors"]["final_norm"]["shape"] = [577]
+    (odd / "infernix.json").write_text(json.dumps(man))
+    with pytest.raises(ModelLoadError, match="does not match its manifest"):
+        load_model(str(odd))
+    man["version"] = 99
+    (odd / "infernix.json").write_text(json.dumps(man))
+    with pytest.raises(ModelLoadError, match="not an infernix-orbax v1 checkpoint"):
+        load_model(str(odd))
+    (odd / "infernix.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot be read"):
+        load_model(str(odd))
+
+
+def test_convert_cli_errors_are_one_line(smollm, converted, tmp_path, capsys):
+    assert convert_main([str(smollm.path), str(converted["plain"])]) == 2          # exists, not empty
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert convert_main([str(tmp_path / "nothing-here"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "infernix-convert: error:" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
