@@ -13,6 +13,7 @@ from .hub import ALIASES, resolve
 from .models.params import declare_params
 from .tokenizer import Tokenizer, TokenizerError
 from .quant.formats import QTensor
+from .quant.packed import Packed12, report
 from .weights.common import ModelLoadError, materialize
 from .weights.converted import config_from_manifest, is_converted, load_params, read_manifest
 from .weights.gguf_io import GGUFSource, open_gguf, read_metadata
@@ -114,9 +115,11 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
     weights: a quant format (quant/formats.py) to quantize the projections to after loading."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    from .quant import FORMATS
-    if weights and weights not in FORMATS:
-        raise ModelLoadError(f"unknown weight format {weights!r}; choose one of {', '.join(FORMATS)}")
+    from .quant import WEIGHT_FORMATS
+    if weights and weights not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "bf16p" and dtype != "bfloat16":
+        raise ModelLoadError("--weights bf16p packs bfloat16 weights losslessly: add --dtype bfloat16")
     path = resolve(spec)
     jdt = DTYPES[dtype]
     if is_converted(path):
@@ -125,9 +128,13 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
     else:
         cfg, fetch, tok, gen = source_of(path, with_tokenizer)
         params = materialize(declare_params(cfg), fetch, jdt, desc=f"loading {path.name}")
-    if weights and not any(isinstance(v, QTensor) for p in params["layers"] for v in p.values()):
+    if weights and not any(isinstance(v, (QTensor, Packed12)) for p in params["layers"] for v in p.values()):
         from .quant.apply import quantize_params
         params = quantize_params(params, weights)
+        if weights == "bf16p":
+            plain, packed, esc = report(params)
+            log.info("bf16p: projections %.2f GiB -> %.2f GiB packed (%d escapes), bit-identical output",
+                     plain / 2**30, packed / 2**30, esc)
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
                        tokenizer=tok, dtype=jdt, generation_defaults=gen, weights_format=weights or "")
 

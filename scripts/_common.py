@@ -31,11 +31,13 @@ def add_model_args(p, default_model: str | None = None):
                    help="a Hugging Face model directory, a .gguf file, or an alias (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32: XLA's CPU bf16 matmuls are slow)")
-    from infernix_jax.quant import FORMATS
-    p.add_argument("--weights", default=None, choices=FORMATS,
+    from infernix_jax.quant import WEIGHT_FORMATS
+    p.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
                    help="quantize the projections after loading (attention, MLP, linear attention, shared "
                         "experts; embeddings, LM head and routed experts stay as loaded). On a GPU, decode "
-                        "reads them through a fused dequantizing kernel; docs/quality.md says what each costs")
+                        "reads them through a fused dequantizing kernel; docs/quality.md says what each costs. "
+                        "bf16p: lossless 12-bit packing of bfloat16 weights (bit-identical output; needs "
+                        "--dtype bfloat16)")
     p.add_argument("--lossless", action="store_true",
                    help="the exact route: float32 activations, every matmul in full f32 (no TF32, no bf16), "
                         "the reference attention and dequantize-then-multiply: slower, the reference for "

@@ -13,13 +13,14 @@ from scripts._common import run
 
 
 def main(argv=None) -> int:
-    from infernix_jax.quant import FORMATS
+    from infernix_jax.quant import WEIGHT_FORMATS
     p = argparse.ArgumentParser(prog="infernix-convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="a Hugging Face model directory, a .gguf file or an alias")
     p.add_argument("dst", help="a new directory for the converted checkpoint")
-    p.add_argument("--weights", default=None, choices=FORMATS,
-                   help="quantize the projections to this format (default: keep them in --dtype)")
+    p.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
+                   help="quantize the projections to this format, or pack them losslessly in 12 bits (bf16p, "
+                        "with --dtype bfloat16); default: keep them in --dtype")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the tensors that stay unquantized (default %(default)s)")
 

@@ -124,3 +124,13 @@ def test_convert_cli_errors_are_one_line(smollm, converted, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "infernix-convert: error:" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_bf16p_converts_and_loads_bit_for_bit(smollm, tmp_path):
+    from infernix_jax.quant.packed import Packed12, unpack
+    assert convert_main([str(smollm.path), str(tmp_path / "p"), "--weights", "bf16p"]) == 0
+    m = load_model(str(tmp_path / "p"), dtype="bfloat16", with_tokenizer=False)
+    assert m.weights_format == "bf16p" and isinstance(m.params["layers"][2]["wq"], Packed12)
+    want = np.asarray(smollm.params["layers"][2]["wq"].astype("bfloat16"))
+    np.testing.assert_array_equal(np.asarray(unpack(m.params["layers"][2]["wq"])).view(np.uint16), want.view(np.uint16))
+    assert convert_main([str(smollm.path), str(tmp_path / "q"), "--weights", "bf16p", "--dtype", "float32"]) == 2

@@ -127,3 +127,45 @@ def test_a_quantized_model_serves_and_plans_smaller(smollm):
     full = make_plan(smollm.cfg, smollm.dtype, max_model_len=256, max_num_seqs=2)
     q4 = make_plan(smollm.cfg, smollm.dtype, max_model_len=256, max_num_seqs=2, weights_format="int4")
     assert q4.weights_bytes < full.weights_bytes
+
+
+# ---- lossless 12-bit packing (--weights bf16p) -----------------------------------------------
+def test_bf16p_round_trips_every_bit():
+    from infernix_jax.quant.packed import pack, unpack
+    w = (jax.random.t(jax.random.PRNGKey(11), 5.0, (3, 40, 301)) * 0.02).astype(jnp.bfloat16)
+    special = jnp.array([0.0, -0.0, jnp.inf, -jnp.inf, jnp.nan, 1e-38, 3e4, -1e-30], jnp.bfloat16)
+    w = w.at[1, 2, :8].set(special)
+    p = pack(w)
+    back = np.asarray(unpack(p))
+    np.testing.assert_array_equal(back.view(np.uint16), np.asarray(w).view(np.uint16))
+    assert 0 < p.esc_idx.shape[0] < 40                      # the specials, not the bulk
+    assert p.nbytes <= w.size * 1.5 + 6 * p.esc_idx.shape[0] + 3 * 40 + 8
+
+
+def test_bf16p_needs_bfloat16(smollm):
+    from infernix_jax.loader import load_model
+    from infernix_jax.quant.packed import pack
+    from infernix_jax.weights import ModelLoadError
+    with pytest.raises(ValueError, match="bf16p packs bfloat16 weights"):
+        pack(np.ones((4, 4), np.float32))
+    with pytest.raises(ModelLoadError, match="add --dtype bfloat16"):
+        load_model(str(smollm.path), weights="bf16p")
+
+
+def test_bf16p_model_is_bit_identical_to_plain_bf16(smollm):
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    from infernix_jax.loader import load_model
+    from infernix_jax.quant.packed import report
+    from infernix_jax.quant.quality import window_logprobs
+    plain = load_model(str(smollm.path), dtype="bfloat16")
+    packed = load_model(str(smollm.path), dtype="bfloat16", weights="bf16p")
+    bf16, size, esc = report(packed.params)
+    assert size < 0.76 * bf16 and esc > 0
+    ids = smollm.tokenizer.encode(TEXT)
+    a = window_logprobs(plain.params, plain.cfg, ids, plain.dtype, "reference")
+    b = window_logprobs(packed.params, packed.cfg, ids, packed.dtype, "reference")
+    np.testing.assert_array_equal(a, b)
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = [Engine(m, max_num_seqs=1, max_model_len=128).generate([Request(ids, p)])[0].token_ids
+            for m in (plain, packed)]
+    assert outs[0] == outs[1]

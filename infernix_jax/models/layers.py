@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from pallas_kernels import quant_matmul as qmm
 
 from ..quant.formats import QTensor, dequantize
+from ..quant.packed import Packed12, unpack
 
 _ACT = {
     "silu": jax.nn.silu,
@@ -64,6 +65,8 @@ def linear(x, w, b=None):
             y = y.reshape(*x.shape[:-1], w.shape[0])
             return y if b is None else y + b
         w = dequantize(w, x.dtype)
+    elif isinstance(w, Packed12):        # lossless: the very BF16 matrix, then the same product
+        w = unpack(w)
     y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 

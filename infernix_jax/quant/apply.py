@@ -9,6 +9,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .formats import QTensor, nominal_bits, quantize
+from .packed import Packed12, pack
 
 # the weights models/layers.linear multiplies by ([out, in] matrices)
 QUANTIZABLE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
@@ -18,18 +19,19 @@ _quantize = jax.jit(quantize, static_argnums=1)
 
 
 def quantize_layer(p: dict, fmt: str) -> dict:
-    """A copy of one layer's params with its QUANTIZABLE matrices in format fmt."""
+    """A copy of one layer's params with its QUANTIZABLE matrices in format fmt (bf16p: packed)."""
     q = dict(p)
     for name in QUANTIZABLE & q.keys():
-        if not isinstance(q[name], QTensor):
-            q[name] = _quantize(q[name], fmt)
+        if not isinstance(q[name], (QTensor, Packed12)):
+            q[name] = pack(q[name]) if fmt == "bf16p" else _quantize(q[name], fmt)
     return q
 
 
 def quantize_params(params: dict, fmt: str, progress: bool = True) -> dict:
     """A copy of params with each layer's QUANTIZABLE matrices in format fmt (one layer at a time,
     so the peak is one layer's worth of both forms)."""
-    layers = [quantize_layer(p, fmt) for p in tqdm(params["layers"], desc=f"quantizing weights to {fmt}",
+    what = "packing weights to 12 bits (bf16p)" if fmt == "bf16p" else f"quantizing weights to {fmt}"
+    layers = [quantize_layer(p, fmt) for p in tqdm(params["layers"], desc=what,
                                                    unit="layer", disable=not progress)]
     return {**params, "layers": layers}
 

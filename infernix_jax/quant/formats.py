@@ -168,4 +168,4 @@ def dequantize(q: QTensor, dtype=jnp.float32):
 def nominal_bits(fmt: str) -> float:
     """Bits per weight including scales (for reports): values plus their share of the scales."""
     return {"int8": 8, "fp8": 8, "fp8b": 8 + 32 / 128 ** 2, "mxfp8": 8 + 8 / 32,
-            "int4": 4 + 40 / 128, "nvfp4": 4 + 8 / 16}[fmt]
+            "int4": 4 + 40 / 128, "nvfp4": 4 + 8 / 16, "bf16p": 12}[fmt]

@@ -9,7 +9,8 @@ model larger than RAM converts and loads one decoder layer at a time.
   DST/tokenizer.json, tokenizer_config.json, generation_config.json (and the source's config.json)
 
 A quantized matrix (QTensor) is stored as its arrays, `name.data`, `name.scale` (and `name.zero`,
-`name.tensor_scale`), with its format and logical shape in the manifest."""
+`name.tensor_scale`), a packed one (bf16p) as `name.lo`, `.codes`, `.base`, `.esc_idx`, `.esc_val`,
+with its format and logical shape in the manifest."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,11 +28,13 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..models.params import ParamSpec, declare_params
 from ..quant.formats import QTensor
+from ..quant.packed import Packed12
 from .common import ModelLoadError
 
 MANIFEST = "infernix.json"
 FORMAT, VERSION = "infernix-orbax", 1
 QPARTS = ("data", "scale", "zero", "tensor_scale")
+PPARTS = ("lo", "codes", "base", "esc_idx", "esc_val")
 HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
             "special_tokens_map.json")
 
@@ -61,8 +64,9 @@ def _digest(a: np.ndarray) -> str:
 
 
 def _arrays(name: str, value) -> dict[str, np.ndarray]:
-    if isinstance(value, QTensor):
-        return {f"{name}.{k}": np.asarray(getattr(value, k)) for k in QPARTS if getattr(value, k) is not None}
+    if isinstance(value, (QTensor, Packed12)):
+        fields = QPARTS if isinstance(value, QTensor) else PPARTS
+        return {f"{name}.{k}": np.asarray(getattr(value, k)) for k in fields if getattr(value, k) is not None}
     return {name: np.asarray(value)}
 
 
@@ -78,8 +82,9 @@ def write_part(dst: Path, part: str, tensors: dict) -> dict:
     for name, value in tensors.items():
         arrays = _arrays(name, value)
         flat.update(arrays)
-        if isinstance(value, QTensor):
-            entries[name] = {"part": part, "fmt": value.fmt, "shape": list(value.shape),
+        if isinstance(value, (QTensor, Packed12)):
+            fmt = value.fmt if isinstance(value, QTensor) else "bf16p"
+            entries[name] = {"part": part, "fmt": fmt, "shape": list(value.shape),
                              "arrays": {k: _entry(a) for k, a in arrays.items()}}
         else:
             entries[name] = {"part": part, **_entry(arrays[name])}
@@ -156,8 +161,11 @@ def load_params(path: Path, m: dict, cfg: ModelConfig, dtype, progress: bool = T
             if "fmt" in e:
                 arrs = {k.rsplit(".", 1)[1]: jnp.asarray(_check(path, k, raw.get(_key(k)), {**ae, "part": part}))
                         for k, ae in e["arrays"].items()}
-                values[name] = QTensor(arrs["data"], arrs["scale"], arrs.get("zero"), arrs.get("tensor_scale"),
-                                       e["fmt"], tuple(e["shape"]))
+                if e["fmt"] == "bf16p":
+                    values[name] = Packed12(**arrs, shape=tuple(e["shape"]))
+                else:
+                    values[name] = QTensor(arrs["data"], arrs["scale"], arrs.get("zero"), arrs.get("tensor_scale"),
+                                           e["fmt"], tuple(e["shape"]))
                 if tuple(e["shape"]) != spec.shape:
                     raise ModelLoadError(f"{path}: tensor {name} is {e['shape']}, the config needs {list(spec.shape)}")
             else:
@@ -177,9 +185,11 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
     from ..hub import resolve
     from ..loader import DTYPES, source_of
     from ..quant.apply import quantize_layer
-    from ..quant.formats import FORMATS
-    if weights and weights not in FORMATS:
-        raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(FORMATS)}")
+    from ..quant import WEIGHT_FORMATS
+    if weights and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "bf16p" and dtype != "bfloat16":
+        raise ValueError("--weights bf16p packs bfloat16 weights losslessly: add --dtype bfloat16")
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     src_path = resolve(spec)
