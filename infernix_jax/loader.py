@@ -93,6 +93,15 @@ def _load_converted(path: Path, dtype, with_tokenizer: bool, weights: str | None
     return cfg, params, tok, generation_config.from_hf_dir(path), stored
 
 
+def stored_route(spec: str) -> tuple[str | None, str]:
+    """(dtype, weight format) a converted checkpoint was written with; (None, "") for other models."""
+    p = Path(spec).expanduser()
+    if spec not in ALIASES and is_converted(p):
+        m = read_manifest(p)
+        return m.get("dtype"), m.get("weights", "")
+    return None, ""
+
+
 def load_config(spec: str) -> ModelConfig:
     """The config alone (no weights are read): for planning memory before a start."""
     path = resolve(spec)

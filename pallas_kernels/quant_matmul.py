@@ -73,7 +73,24 @@ def unsupported(fmt: str, shape: tuple, x_dtype) -> str | None:
         return f"shape {shape}: N must be a multiple of 16 and K of 32"
     if jnp.dtype(x_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         return f"activations in {jnp.dtype(x_dtype)}"
+    if fmt in E4M3 and _gpu_capability() < (8, 9):
+        return "e4m3 needs an Ada or Hopper GPU (compute capability 8.9+)"
     return None
+
+
+E4M3 = ("fp8", "fp8b", "mxfp8", "nvfp4")        # formats holding e4m3 values or scales
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_capability() -> tuple[int, int]:
+    """The default GPU's compute capability; (99, 0) where there is none (interpret mode on the CPU
+    decodes e4m3 anywhere)."""
+    try:
+        d = jax.devices()[0]
+        cc = getattr(d, "compute_capability", None) if d.platform == "gpu" else None
+        return tuple(int(x) for x in str(cc).split(".")[:2]) if cc else (99, 0)
+    except (RuntimeError, ValueError):
+        return (99, 0)
 
 
 def _e2m1(c):

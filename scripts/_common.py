@@ -29,8 +29,9 @@ def add_model_args(p, default_model: str | None = None):
     from infernix_jax.hub import DEFAULT_MODEL
     p.add_argument("--model", default=default_model or DEFAULT_MODEL,
                    help="a Hugging Face model directory, a .gguf file, or an alias (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default float32: XLA's CPU bf16 matmuls are slow)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: a converted checkpoint's own, else float32: XLA's CPU bf16 "
+                        "matmuls are slow)")
     from infernix_jax.quant import WEIGHT_FORMATS
     p.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
                    help="quantize the projections after loading (attention, MLP, linear attention, shared "
@@ -45,18 +46,24 @@ def add_model_args(p, default_model: str | None = None):
 
 
 def apply_route(a) -> None:
-    """--lossless: check it against the other flags and set JAX up for it (call once, before any
-    model is loaded)."""
-    if not getattr(a, "lossless", False):
-        return
-    if a.dtype != "float32":
+    """Settle how the model runs (call once, right after parsing, before any model is loaded): the
+    dtype (a converted checkpoint's own unless --dtype says otherwise) and --lossless, checked
+    against the other flags, with JAX set up for it. a.stored_weights: a converted checkpoint's
+    weight format ("" otherwise)."""
+    from infernix_jax.loader import stored_route
+    lossless = getattr(a, "lossless", False)
+    if lossless and a.dtype not in (None, "float32"):
         raise ValueError(f"--lossless computes in float32: drop --dtype {a.dtype}")
+    stored_dtype, a.stored_weights = stored_route(a.model)
+    if a.dtype is None:
+        a.dtype = "float32" if lossless else (stored_dtype or "float32")
+    if not lossless:
+        return
     if getattr(a, "attn_impl", None) not in (None, "reference"):
         raise ValueError(f"--lossless uses the reference attention: drop --attn-impl {a.attn_impl}")
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
-    if hasattr(a, "attn_impl"):
-        a.attn_impl = "reference"
+    a.attn_impl = "reference"
 
 
 def add_engine_args(p):

@@ -19,9 +19,9 @@ from scripts._common import add_model_args, apply_route, run
 
 
 def _ours(model, batch: int, prompt: list[int], new: int, kv_cache_gib: float | None = None,
-          max_model_len: int | None = None) -> float:
+          max_model_len: int | None = None, attn_impl: str | None = None) -> float:
     from infernix_jax.engine import Engine, Request, SamplingParams
-    eng = Engine(model, max_num_seqs=batch, max_model_len=max_model_len or len(prompt) + new + 16,
+    eng = Engine(model, max_num_seqs=batch, max_model_len=max_model_len or len(prompt) + new + 16, attn_impl=attn_impl,
                  kv_cache_gib=kv_cache_gib)
 
     def once(n):
@@ -84,7 +84,8 @@ def main(argv=None) -> int:
                                                         "qmatmul: the quantized matmul)")
     p.add_argument("--formats", default="int8,fp8,fp8b,mxfp8,int4,nvfp4", help="for 'qmatmul': weight formats")
     p.add_argument("--torch-batches", default="", help="batches for transformers' static cache, e.g. 1,64")
-    p.add_argument("--attn-impl", default="pallas", choices=["pallas", "reference"])
+    p.add_argument("--attn-impl", default=None, choices=["pallas", "reference"],
+                   help="shapes: the kernels to time (default pallas); decode: the engine's (default: pallas on GPU)")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--out", default="bench-out")
     add_model_args(p)
@@ -144,14 +145,14 @@ def main(argv=None) -> int:
                 raise ValueError(f"unknown shape {a.shape!r}; known: {', '.join(bench_shapes.PRESETS)}")
             ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
             bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
-                             ints(a.torch_batches), a.attn_impl, a.decode_steps, a.tune, a.weights)
+                             ints(a.torch_batches), a.attn_impl or "pallas", a.decode_steps, a.tune, a.weights)
             return 0
         import jax
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype, weights=a.weights)
         prompt = list(np.random.default_rng(0).integers(100, model.cfg.vocab_size - 100, a.prompt_tokens))
         prompt = [int(t) for t in prompt]
-        ours = _ours(model, a.batch, prompt, a.new_tokens, a.kv_cache_gib, a.max_model_len)
+        ours = _ours(model, a.batch, prompt, a.new_tokens, a.kv_cache_gib, a.max_model_len, a.attn_impl)
         ref = None if a.no_reference else _transformers(a.model, model.path, a.batch, prompt, a.new_tokens)
         res = {"model": model.name, "dtype": a.dtype, "device": str(jax.devices()[0].device_kind),
                "cpu": platform.processor() or platform.machine(), "batch": a.batch,

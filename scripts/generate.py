@@ -68,7 +68,8 @@ def main(argv=None) -> int:
         from infernix_jax.engine import Engine, Request
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype, weights=a.weights)
-        engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len)
+        engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len,
+                        attn_impl=getattr(a, "attn_impl", None))
         items = []  # (line dict, Request | None, error)
         for n, ln in enumerate(raw_lines, 1):
             try:

@@ -74,6 +74,11 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
     from infernix_jax.quant import quality as ql
     from infernix_jax.quant.apply import quantize_params, with_impl
     model = load_model(model_spec, dtype="float32")
+    if model.weights_format:
+        raise ValueError(f"{model_spec} holds {model.weights_format} weights: infernix-quality measures each format "
+                         f"against the unquantized model, so give it the model they were made from")
+    if model.tokenizer is None:
+        raise ValueError(f"{model_spec} has no tokenizer (tokenizer.json): the text cannot be tokenized")
     ids = model.tokenizer.encode(text)
     wins = ql.windows(ids, ctx, max_tokens)
     if not wins:

@@ -62,13 +62,18 @@ def main(argv=None) -> int:
             from infernix_jax.engine.plan import make_plan
             cfg = load_config(a.model)
             kw = engine_kwargs(a)
+            fmt = a.weights or a.stored_weights
+            if a.weights and a.stored_weights and a.weights != a.stored_weights:
+                raise ValueError(f"{a.model} holds {a.stored_weights} weights; drop --weights {a.weights}")
+            if a.weights == "bf16p" and a.dtype != "bfloat16":
+                raise ValueError("--weights bf16p packs bfloat16 weights losslessly: add --dtype bfloat16")
             plan = make_plan(cfg, DTYPES[a.dtype], max_model_len=min(kw["max_model_len"] or cfg.max_position_embeddings,
                                                                       cfg.max_position_embeddings),
                              max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
                              kv_cache_gib=kw["kv_cache_gib"], memory_fraction=kw["memory_fraction"],
-                             max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=a.weights or "")
+                             max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=fmt)
             print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype}"
-                  f"{', weights ' + a.weights if a.weights else ''})")
+                  f"{', weights ' + fmt if fmt else ''})")
             print(plan.describe())
             print(describe_prefix_cache(kw))
             return 0
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
         print(engine.plan.describe(), file=sys.stderr)
         print(describe_prefix_cache(kw), file=sys.stderr)
         print(f"route:              {'lossless (f32 everywhere, reference kernels)' if a.lossless else 'default'}"
-              + (f", weights {a.weights}" if a.weights else ""), file=sys.stderr)
+              + (f", weights {model.weights_format}" if model.weights_format else ""), file=sys.stderr)
         if a.warmup == "full":
             print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
         app = create_app(engine, warmup=a.warmup == "basic", limits=limits)

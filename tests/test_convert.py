@@ -108,6 +108,15 @@ def test_damaged_incomplete_and_mismatched_checkpoints_are_clear_errors(converte
     (odd / "infernix.json").write_text(json.dumps(man))
     with pytest.raises(ModelLoadError, match="does not match its manifest"):
         load_model(str(odd))
+    man["tensors"]["final_norm"]["shape"] = [576]
+    man["tensors"]["embed"]["blake2b"] = "0" * 32          # data readable, digest wrong
+    (odd / "infernix.json").write_text(json.dumps(man))
+    with pytest.raises(ModelLoadError, match="tensor embed fails its checksum"):
+        load_model(str(odd))
+    man["config"]["rope_theta"] = 1.0                       # an edited config
+    (odd / "infernix.json").write_text(json.dumps(man))
+    with pytest.raises(ModelLoadError, match="config fails its checksum"):
+        load_model(str(odd))
     man["version"] = 99
     (odd / "infernix.json").write_text(json.dumps(man))
     with pytest.raises(ModelLoadError, match="not an infernix-orbax v1 checkpoint"):
@@ -119,11 +128,34 @@ def test_damaged_incomplete_and_mismatched_checkpoints_are_clear_errors(converte
 
 def test_convert_cli_errors_are_one_line(smollm, converted, tmp_path, capsys):
     assert convert_main([str(smollm.path), str(converted["plain"])]) == 2          # exists, not empty
-    assert "exists and is not empty" in capsys.readouterr().err
+    assert "exists and is not an empty directory" in capsys.readouterr().err
     assert convert_main([str(tmp_path / "nothing-here"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "infernix-convert: error:" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+    assert not [f for f in tmp_path.iterdir() if "partial" in f.name]      # nothing left behind
+
+
+def test_relative_paths_convert_and_load(smollm, tmp_path, monkeypatch):
+    """Orbax's default layout wants absolute paths: both ends make them so."""
+    monkeypatch.chdir(tmp_path)
+    assert convert_main([str(smollm.path), "rel", "--weights", "int8"]) == 0
+    m = load_model("rel", with_tokenizer=False)
+    assert m.weights_format == "int8" and isinstance(m.params["layers"][0]["wq"], QTensor)
+
+
+def test_packed_matrices_without_escapes_are_stored(tmp_path):
+    """Orbax refuses empty arrays: a packed matrix with no escapes keeps them in the manifest only."""
+    import jax.numpy as jnp
+    from infernix_jax.quant.packed import pack
+    from infernix_jax.weights.converted import _check, _ckpt, write_part
+    p = pack(jnp.full((16, 32), 0.5, jnp.bfloat16))
+    assert p.esc_idx.shape == (0,)
+    _, ck = _ckpt()
+    entries = write_part(ck, tmp_path, "top", {"w": p})
+    ck.close()
+    e = entries["w"]["arrays"]["w.esc_idx"]
+    assert e["shape"] == [0] and _check(tmp_path, "w.esc_idx", None, e).shape == (0,)
 
 
 def test_bf16p_converts_and_loads_bit_for_bit(smollm, tmp_path):

@@ -20,7 +20,7 @@ def test_honest_rounding_lands_on_the_format_grid_with_exact_scales(fmt):
     w = weights(1)
     h = np.asarray(honest_round(w, fmt))
     assert h.shape == w.shape and np.isfinite(h).all()
-    np.testing.assert_allclose(np.asarray(honest_round(jnp.asarray(h), fmt)), h, rtol=1e-6, atol=1e-9)  # idempotent
+    np.testing.assert_allclose(np.asarray(honest_round(jnp.asarray(h), fmt)), h, rtol=1e-6, atol=1e-7)  # idempotent
     if fmt in ("int8", "fp8"):     # the formats that are already round-to-nearest with exact f32 scales
         np.testing.assert_allclose(h, np.asarray(dequantize(quantize(w, fmt))), rtol=1e-6, atol=1e-9)
     if fmt == "nvfp4":             # every group of 16 holds e2m1 values times one scale

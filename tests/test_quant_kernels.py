@@ -17,6 +17,7 @@ CASES = [  # (M, N, K, block sizes): decode rows, odd row counts, K not a multip
     (37, 128, 256, None),
     (5, 64, 384, BlockSizes(bm=16, bn=32, bk=64, split=3)),
     (130, 96, 512, BlockSizes(bm=64, bn=32, bk=128, split=1)),
+    (1, 128, 512, BlockSizes(bm=16, bn=32, bk=256, split=2)),     # two int4 / fp8b groups per K step
 ]
 
 

@@ -53,6 +53,13 @@ def apply_rope(x, cos, sin):
 KERNEL_MAX_ROWS = 128
 
 
+def _after(w, x):
+    """w, made to wait for x: the full-size matrix dequantized from w then exists only while its
+    layer runs. Without this XLA may unpack every layer's weights up front (they depend on nothing
+    else), holding the whole model at full size beside its packed form."""
+    return jax.lax.optimization_barrier((w, x))[0]
+
+
 def linear(x, w, b=None):
     """x [..., in] @ w[out, in]^T (+ b): weights stay in the checkpoints' [out, in] layout. A
     quantized w (--weights) goes through the fused dequantizing kernel where its impl asks for it,
@@ -64,9 +71,9 @@ def linear(x, w, b=None):
                                  interpret=w.impl == "pallas_interpret")
             y = y.reshape(*x.shape[:-1], w.shape[0])
             return y if b is None else y + b
-        w = dequantize(w, x.dtype)
+        w = dequantize(_after(w, x), x.dtype)
     elif isinstance(w, Packed12):        # lossless: the very BF16 matrix, then the same product
-        w = unpack(w)
+        w = unpack(_after(w, x))
     y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 

@@ -8,9 +8,10 @@ attention and dequantize-then-multiply: the reference. "default": what `infernix
 the same flags (the model dtype asked for, the Pallas kernels on a GPU).
 
 Honest rounding of a format: the reference's weights (the same matrices the format quantizes)
-rounded to nearest onto the format's value grid (int8, e4m3, int4, e2m1) with an exact f32 scale
-per the format's group and nothing else changed: no scale rounding (e8m0, e4m3), no zero points,
-f32 arithmetic. Its KL is what rounding to that many bits costs by itself; a route's KL over it is
+rounded to nearest onto the format's value grid (int8, e4m3, 16 levels from the group's minimum to
+its maximum for int4, e2m1) with an exact f32 scale (and int4's exact offset) per the format's
+group and nothing else changed: no scale rounding (e8m0, e4m3), no integer zero points, f32
+arithmetic. Its KL is what rounding to that many bits costs by itself; a route's KL over it is
 what the format's own choices and the route's arithmetic add."""
 from __future__ import annotations
 
@@ -25,14 +26,15 @@ from .apply import QUANTIZABLE
 from .formats import F8, F8_MAX, E2M1_MAX, _e2m1_codes, E2M1
 
 # value grid and group of each format's honest rounding: (grid, group along the input axis, tile
-# rows: 128 for fp8b's 128 x 128 tiles, 1 otherwise); group 0 means one scale per output channel
+# rows: 128 for fp8b's 128 x 128 tiles, 1 otherwise); group 0 means one scale per output channel.
+# uint4: 16 evenly spaced levels from the group's minimum to its maximum (exact scale and offset)
 HONEST = {"int8": ("int8", 0, 1), "fp8": ("e4m3", 0, 1), "fp8b": ("e4m3", 128, 128), "mxfp8": ("e4m3", 32, 1),
-          "int4": ("int4", 128, 1), "nvfp4": ("e2m1", 16, 1)}
-GRID_MAX = {"int8": 127.0, "e4m3": F8_MAX, "int4": 7.0, "e2m1": E2M1_MAX}
+          "int4": ("uint4", 128, 1), "nvfp4": ("e2m1", 16, 1)}
+GRID_MAX = {"int8": 127.0, "e4m3": F8_MAX, "e2m1": E2M1_MAX}
 
 
 def _round_grid(x, grid: str):
-    if grid in ("int8", "int4"):
+    if grid == "int8":
         return jnp.round(x)
     if grid == "e4m3":
         return x.astype(F8).astype(jnp.float32)
@@ -49,9 +51,14 @@ def honest_round(w, fmt: str):
     pad_i, pad_o = -I % gi, -O % rows
     t = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, pad_o), (0, pad_i)])
     t = t.reshape(*t.shape[:-2], t.shape[-2] // rows, rows, t.shape[-1] // gi, gi)   # [..., nO, r, nI, g]
-    amax = jnp.max(jnp.abs(t), axis=(-3, -1), keepdims=True)
-    s = jnp.where(amax > 0, amax / GRID_MAX[grid], 1.0)
-    q = _round_grid(t / s, grid) * s
+    if grid == "uint4":
+        lo, hi = jnp.min(t, axis=(-3, -1), keepdims=True), jnp.max(t, axis=(-3, -1), keepdims=True)
+        s = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0)
+        q = lo + jnp.round((t - lo) / s) * s
+    else:
+        amax = jnp.max(jnp.abs(t), axis=(-3, -1), keepdims=True)
+        s = jnp.where(amax > 0, amax / GRID_MAX[grid], 1.0)
+        q = _round_grid(t / s, grid) * s
     q = q.reshape(*q.shape[:-4], O + pad_o, I + pad_i)
     return q[..., :O, :I]
 
@@ -65,10 +72,11 @@ def honest_params(params: dict, fmt: str) -> dict:
 
 
 def windows(ids: list[int], ctx: int, max_tokens: int | None) -> list[list[int]]:
-    """Non-overlapping windows of ctx tokens (the last one may be shorter, if at least half)."""
+    """Non-overlapping windows of ctx tokens (the last one may be shorter, if at least half); a
+    text shorter than that is one window if it has at least 8 tokens."""
     ids = ids[:max_tokens] if max_tokens else ids
     out = [ids[i:i + ctx] for i in range(0, len(ids), ctx)]
-    return [w for w in out if len(w) >= max(2, ctx // 2)] or ([ids] if len(ids) >= 2 else [])
+    return [w for w in out if len(w) >= max(8, ctx // 2)] or ([ids] if len(ids) >= 8 else [])
 
 
 def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_size: int = 16):

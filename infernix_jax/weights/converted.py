@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,9 +76,10 @@ def _ckpt():
     return ocp, ocp.PyTreeCheckpointer()
 
 
-def write_part(dst: Path, part: str, tensors: dict) -> dict:
-    """Save {name: array or QTensor} as params/<part>; returns the manifest entries."""
-    ocp, ck = _ckpt()
+def write_part(ck, dst: Path, part: str, tensors: dict) -> dict:
+    """Save {name: array, QTensor or Packed12} as params/<part> with checkpointer ck (dst absolute:
+    Orbax's default layout takes no relative paths); returns the manifest entries. Empty arrays (a
+    packed matrix without escapes) are not stored: their manifest entry says what they are."""
     flat, entries = {}, {}
     for name, value in tensors.items():
         arrays = _arrays(name, value)
@@ -89,7 +91,7 @@ def write_part(dst: Path, part: str, tensors: dict) -> dict:
         else:
             entries[name] = {"part": part, **_entry(arrays[name])}
     # orbax keys may not hold "/" or ".": store under escaped names, restore maps them back
-    ck.save(str(dst / "params" / part), {_key(k): v for k, v in flat.items()})
+    ck.save(str(dst / "params" / part), {_key(k): v for k, v in flat.items() if v.size})
     return entries
 
 
@@ -102,6 +104,8 @@ def _entry(a: np.ndarray) -> dict:
 
 
 def _check(path: Path, name: str, a, e: dict) -> np.ndarray:
+    if a is None and 0 in e["shape"]:
+        a = np.zeros(e["shape"], jnp.dtype(e["dtype"]))
     if a is None:
         raise ModelLoadError(f"{path}: tensor {name} is missing from params/{e.get('part')}; the checkpoint "
                              f"is incomplete: convert it again")
@@ -113,14 +117,27 @@ def _check(path: Path, name: str, a, e: dict) -> np.ndarray:
     return a
 
 
+def _config_digest(config: dict) -> str:
+    return hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
 def read_manifest(path: Path) -> dict:
     try:
         m = json.loads((path / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}/{MANIFEST} cannot be read ({e}); convert the model again") from None
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise ModelLoadError(f"{path}: not an {FORMAT} v{VERSION} checkpoint (format {m.get('format')!r}, "
-                             f"version {m.get('version')!r}); convert it again with this version")
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
+        raise ModelLoadError(f"{path}: not an {FORMAT} v{VERSION} checkpoint (format {got[0]!r}, "
+                             f"version {got[1]!r}); convert it again with this version")
+    from ..quant import WEIGHT_FORMATS
+    if not isinstance(m.get("config"), dict) or not isinstance(m.get("tensors"), dict) \
+            or m.get("weights", "") not in ("", *WEIGHT_FORMATS):
+        raise ModelLoadError(f"{path}/{MANIFEST} lacks a config, a tensor list or a known weight format: "
+                             f"convert the model again")
+    if m.get("config_blake2b") != _config_digest(m["config"]):
+        raise ModelLoadError(f"{path}/{MANIFEST}: the model config fails its checksum (edited or damaged); "
+                             f"convert the model again")
     return m
 
 
@@ -135,7 +152,16 @@ def config_from_manifest(path: Path, m: dict) -> ModelConfig:
 def load_params(path: Path, m: dict, cfg: ModelConfig, dtype, progress: bool = True) -> dict:
     """Restore every part onto the device, checking each tensor against the manifest. Unquantized
     float tensors are cast to dtype; quantized ones keep their stored dtypes."""
+    path = path.absolute()
     ocp, ck = _ckpt()
+    try:
+        return _load_parts(ocp, ck, path, m, cfg, dtype, progress)
+    finally:
+        ck.close()
+
+
+def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress: bool) -> dict:
+    from ..quant import WEIGHT_FORMATS
     specs = declare_params(cfg)
     tensors = m.get("tensors", {})
     values = {}
@@ -158,14 +184,20 @@ def load_params(path: Path, m: dict, cfg: ModelConfig, dtype, progress: bool = T
             if e is None:
                 raise ModelLoadError(f"{path}: the manifest has no tensor {name}, which this model needs: the "
                                      f"checkpoint and its config do not match")
+            if not isinstance(e, dict) or ("fmt" in e and (e["fmt"] not in WEIGHT_FORMATS
+                                                           or not isinstance(e.get("arrays"), dict))):
+                raise ModelLoadError(f"{path}: the manifest's entry for {name} is not usable: convert it again")
             if "fmt" in e:
                 arrs = {k.rsplit(".", 1)[1]: jnp.asarray(_check(path, k, raw.get(_key(k)), {**ae, "part": part}))
                         for k, ae in e["arrays"].items()}
-                if e["fmt"] == "bf16p":
-                    values[name] = Packed12(**arrs, shape=tuple(e["shape"]))
-                else:
-                    values[name] = QTensor(arrs["data"], arrs["scale"], arrs.get("zero"), arrs.get("tensor_scale"),
-                                           e["fmt"], tuple(e["shape"]))
+                try:
+                    if e["fmt"] == "bf16p":
+                        values[name] = Packed12(**arrs, shape=tuple(e["shape"]))
+                    else:
+                        values[name] = QTensor(arrs["data"], arrs["scale"], arrs.get("zero"),
+                                               arrs.get("tensor_scale"), e["fmt"], tuple(e["shape"]))
+                except (KeyError, TypeError) as err:
+                    raise ModelLoadError(f"{path}: {name} lacks its {err} array: convert it again") from None
                 if tuple(e["shape"]) != spec.shape:
                     raise ModelLoadError(f"{path}: tensor {name} is {e['shape']}, the config needs {list(spec.shape)}")
             else:
@@ -184,7 +216,6 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
     layer's tensors, quantize its projections to `weights`, save, let go. Returns the manifest."""
     from ..hub import resolve
     from ..loader import DTYPES, source_of
-    from ..quant.apply import quantize_layer
     from ..quant import WEIGHT_FORMATS
     if weights and weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -193,14 +224,31 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     src_path = resolve(spec)
-    dst = Path(dst)
-    if dst.exists() and any(dst.iterdir()):
-        raise ValueError(f"{dst} exists and is not empty; choose a new directory")
+    dst = Path(dst).expanduser().absolute()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"{dst} exists and is not an empty directory; choose a new one")
     cfg, fetch, tok, gen = source_of(src_path)
-    tmp = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "params").mkdir(parents=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
+    ocp, ck = _ckpt()
+    try:
+        manifest = _convert_into(ck, tmp, src_path, cfg, fetch, tok, gen, weights, dtype, progress)
+        if dst.exists():
+            dst.rmdir()
+        tmp.rename(dst)           # the directory appears whole or not at all
+        return manifest
+    except OSError as e:
+        raise ValueError(f"writing {dst} failed: {e}") from None
+    finally:
+        ck.close()
+        shutil.rmtree(tmp, ignore_errors=True)      # gone after the rename; a failure leaves nothing
+
+
+def _convert_into(ck, tmp: Path, src_path: Path, cfg, fetch, tok, gen, weights, dtype, progress) -> dict:
+    from ..loader import DTYPES
+    from ..quant.apply import quantize_layer
     from .common import materialize
+    (tmp / "params").mkdir()
     t0 = time.perf_counter()
     tensors: dict = {}
     parts = parts_of(declare_params(cfg))
@@ -211,17 +259,15 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
             short = {n.split("/", 2)[2]: v for n, v in vals.items()}
             short = quantize_layer(short, weights)
             vals = {f"layers/{int(part[6:])}/{k}": v for k, v in short.items()}
-        tensors.update(write_part(tmp, part, vals))
+        tensors.update(write_part(ck, tmp, part, vals))
         del vals
     _write_tokenizer(src_path, tmp, tok, gen)
     total = sum(e.get("bytes", 0) + sum(a["bytes"] for a in e.get("arrays", {}).values()) for e in tensors.values())
+    config = dataclasses.asdict(cfg)
     manifest = {"format": FORMAT, "version": VERSION, "source": str(src_path), "dtype": dtype,
-                "weights": weights or "", "config": dataclasses.asdict(cfg), "total_bytes": total,
-                "seconds": round(time.perf_counter() - t0, 1), "tensors": tensors}
+                "weights": weights or "", "config": config, "config_blake2b": _config_digest(config),
+                "total_bytes": total, "seconds": round(time.perf_counter() - t0, 1), "tensors": tensors}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    if dst.exists():
-        dst.rmdir()
-    tmp.rename(dst)           # the directory appears whole or not at all
     return manifest
 
 
