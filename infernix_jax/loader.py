@@ -12,8 +12,8 @@ from .config import ConfigError, ModelConfig
 from .hub import ALIASES, resolve
 from .models.params import declare_params
 from .tokenizer import Tokenizer, TokenizerError
-from .quant.formats import QTensor
-from .quant.packed import Packed12, report
+from .quant import check_weights
+from .quant.packed import report
 from .weights.common import ModelLoadError, materialize
 from .weights.converted import config_from_manifest, is_converted, load_params, read_manifest
 from .weights.gguf_io import GGUFSource, open_gguf, read_metadata
@@ -81,14 +81,12 @@ def source_of(path: Path, with_tokenizer: bool = True):
                          f"(config.json + safetensors), a .gguf file, a converted checkpoint or an alias")
 
 
-def _load_converted(path: Path, dtype, with_tokenizer: bool, weights: str | None):
+def _load_converted(path: Path, dtype: str, with_tokenizer: bool, weights: str | None):
     m = read_manifest(path)
     cfg = config_from_manifest(path, m)
     stored = m.get("weights", "")
-    if weights and stored and weights != stored:
-        raise ModelLoadError(f"{path} holds {stored} weights; --weights {weights} would round them twice: "
-                             f"convert the source again with --weights {weights}")
-    params = load_params(path, m, cfg, dtype)
+    _check_weights(weights, dtype, stored, path)
+    params = load_params(path, m, cfg, DTYPES[dtype])
     tok = Tokenizer.from_hf_dir(path) if with_tokenizer and (path / "tokenizer.json").exists() else None
     return cfg, params, tok, generation_config.from_hf_dir(path), stored
 
@@ -124,20 +122,16 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
     weights: a quant format (quant/formats.py) to quantize the projections to after loading."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    from .quant import WEIGHT_FORMATS
-    if weights and weights not in WEIGHT_FORMATS:
-        raise ModelLoadError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    if weights == "bf16p" and dtype != "bfloat16":
-        raise ModelLoadError("--weights bf16p packs bfloat16 weights losslessly: add --dtype bfloat16")
+    _check_weights(weights, dtype)
     path = resolve(spec)
     jdt = DTYPES[dtype]
+    stored = ""                    # a converted checkpoint's own format: its projections come quantized
     if is_converted(path):
-        cfg, params, tok, gen, stored = _load_converted(path, jdt, with_tokenizer, weights)
-        weights = weights or stored or None
+        cfg, params, tok, gen, stored = _load_converted(path, dtype, with_tokenizer, weights)
     else:
         cfg, fetch, tok, gen = source_of(path, with_tokenizer)
         params = materialize(declare_params(cfg), fetch, jdt, desc=f"loading {path.name}")
-    if weights and not any(isinstance(v, (QTensor, Packed12)) for p in params["layers"] for v in p.values()):
+    if weights and not stored:
         from .quant.apply import quantize_params
         params = quantize_params(params, weights)
         if weights == "bf16p":
@@ -145,7 +139,15 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
             log.info("bf16p: projections %.2f GiB -> %.2f GiB packed (%d escapes), bit-identical output",
                      plain / 2**30, packed / 2**30, esc)
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
-                       tokenizer=tok, dtype=jdt, generation_defaults=gen, weights_format=weights or "")
+                       tokenizer=tok, dtype=jdt, generation_defaults=gen, weights_format=weights or stored)
+
+
+def _check_weights(weights, dtype: str, stored: str = "", where: Path | None = None) -> None:
+    """check_weights, raising the loader's error."""
+    try:
+        check_weights(weights, dtype, stored, str(where))
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _looks_like_gguf(path: Path) -> bool:

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .paged_decode_attention import _compiler_params
+
 GROUP = {"int8": 0, "fp8": 0, "fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
 PACKED = ("int4", "nvfp4")        # two weights per byte
 
@@ -112,7 +114,7 @@ def _unpack(b):
     return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], 2 * b.shape[1])
 
 
-def _spread(s, bk: int, g: int):
+def _spread(s, bk: int):
     """Scales of one tile [n, max(1, bk/g)] -> [n, bk] (each repeated over its group)."""
     n, G = s.shape
     return jnp.broadcast_to(s[:, :, None], (n, G, bk // G)).reshape(n, bk)
@@ -135,15 +137,15 @@ def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision):
             return x, d.astype(x.dtype)
         s = s_ref[:, pl.ds(k // g, G)]                       # [bn or 1, G]
         if fmt == "fp8b":                                    # one row of scales for the whole tile
-            w = d.astype(jnp.float32) * _spread(jnp.broadcast_to(s, (bn, G)), bk, g)
+            w = d.astype(jnp.float32) * _spread(jnp.broadcast_to(s, (bn, G)), bk)
         elif fmt == "mxfp8":
             s = _pow2(s)                                     # e8m0: the exponent byte
-            w = d.astype(jnp.float32) * _spread(s, bk, g)
+            w = d.astype(jnp.float32) * _spread(s, bk)
         elif fmt == "int4":
             z = rest[0][:, pl.ds(k // g, G)].astype(jnp.float32)
-            w = (_unpack(d).astype(jnp.float32) - _spread(z, bk, g)) * _spread(s, bk, g)
+            w = (_unpack(d).astype(jnp.float32) - _spread(z, bk)) * _spread(s, bk)
         else:                                                # nvfp4
-            w = _e2m1(_unpack(d)) * _spread(s.astype(jnp.float32) * rest[0][0], bk, g)
+            w = _e2m1(_unpack(d)) * _spread(s.astype(jnp.float32) * rest[0][0], bk)
         return x, w.astype(x.dtype)
 
     def body(i, acc):
@@ -166,14 +168,6 @@ def kernel_args(q) -> tuple:
     if q.fmt == "nvfp4":
         return q.data, q.scale, q.tensor_scale.reshape(1)
     return q.data, q.scale
-
-
-def _compiler_params(bs: BlockSizes):
-    try:
-        from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
-    except (ImportError, AttributeError):
-        return None
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "shape", "block_sizes", "interpret"))
@@ -201,19 +195,18 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
     while k_steps % split:
         split -= 1
     steps = k_steps // split
-    per_row_scale = g == 0
     d, s, *rest = args
-    G = (lambda n_: pl.BlockSpec((bn, n_), lambda m, n, k: (n, 0)))
+    by_row = (lambda cols: pl.BlockSpec((bn, cols), lambda m, n, k: (n, 0)))     # this tile's rows, all columns
     in_specs = [pl.BlockSpec((bm, K), lambda m, n, k: (m, 0)),
                 pl.BlockSpec((bn, d.shape[1]), lambda m, n, k: (n, 0))]
-    if per_row_scale:
-        in_specs.append(G(1))
+    if g == 0:                                               # a scale per output channel
+        in_specs.append(by_row(1))
     elif fmt == "fp8b":                                      # one scale row per 128 output rows
         in_specs.append(pl.BlockSpec((1, s.shape[1]), lambda m, n, k: (n * bn // 128, 0)))
     else:
-        in_specs.append(G(s.shape[1]))
+        in_specs.append(by_row(s.shape[1]))
     if fmt == "int4":
-        in_specs.append(G(rest[0].shape[1]))
+        in_specs.append(by_row(rest[0].shape[1]))
     elif fmt == "nvfp4":
         in_specs.append(pl.BlockSpec((1,), lambda m, n, k: (0,)))
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None

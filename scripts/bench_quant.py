@@ -68,8 +68,10 @@ def run(shape: str, out: str, batches: list[int], formats: list[str], tune: bool
         many = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
         return 1e6 * timed(lambda: jax.block_until_ready(many(x, ws)), 10) / len(ws)
 
-    def copies(nbytes: int) -> int:
-        return max(4, min(32, -(-(1 << 30) // nbytes)))      # >= 1 GiB of weights in all
+    def weights(N: int, K: int) -> list:
+        """Distinct bf16 [N, K] weights, >= 1 GiB of them in all (4 to 32)."""
+        n = max(4, min(32, -(-(1 << 30) // (N * K * 2))))
+        return [jax.random.normal(jax.random.PRNGKey(i), (N, K), jnp.bfloat16) * 0.02 for i in range(n)]
 
     def kernel_us(x, qs, bs):
         q = qs[0]
@@ -78,11 +80,10 @@ def run(shape: str, out: str, batches: list[int], formats: list[str], tune: bool
 
     projs = projections(cfg)
     key = jax.random.PRNGKey(0)
-    best: dict = {}
+    totals: dict = {}            # row class -> tiles -> microseconds summed over the formats
     if tune:
         N, K = projs["w_up"]
-        ws = [jax.random.normal(jax.random.PRNGKey(i), (N, K), jnp.bfloat16) * 0.02
-              for i in range(copies(N * K * 2))]
+        ws = weights(N, K)
         for fmt in [f for f in formats if f in TUNE_FORMATS]:
             q = [quantize(w, fmt) for w in ws]
             for M in batches:
@@ -95,22 +96,14 @@ def run(shape: str, out: str, batches: list[int], formats: list[str], tune: bool
                         emit({"tune": fmt, "M": M, "blocks": cand, "error": str(e).splitlines()[0][:200]})
                         continue
                     emit({"tune": fmt, "M": M, "blocks": cand, "us": round(us, 1)})
-                    b = best.setdefault((fmt, row_class(M)), {})
-                    b[cand] = b.get(cand, 0.0) + us
+                    t = totals.setdefault(row_class(M), {})
+                    t[cand] = t.get(cand, 0.0) + us
         # one choice per row class: the smallest total over formats (ties: the first)
-        for rc in SWEEP:
-            totals: dict = {}
-            for (fmt, r), d in best.items():
-                if r == rc:
-                    for cand, us in d.items():
-                        totals[cand] = totals.get(cand, 0.0) + us
-            if totals:
-                res["best"][rc] = min(totals, key=totals.get)
+        res["best"] = {rc: min(t, key=t.get) for rc, t in totals.items()}
         print(json.dumps({"best": res["best"]}), flush=True)
 
     for name, (N, K) in projs.items():
-        ws = [jax.random.normal(jax.random.PRNGKey(i), (N, K), jnp.bfloat16) * 0.02
-              for i in range(copies(N * K * 2))]
+        ws = weights(N, K)
         bf16_bytes = N * K * 2
         for M in batches:
             x = jax.random.normal(key, (M, K), jnp.bfloat16)

@@ -62,11 +62,9 @@ def main(argv=None) -> int:
             from infernix_jax.engine.plan import make_plan
             cfg = load_config(a.model)
             kw = engine_kwargs(a)
+            from infernix_jax.quant import check_weights
+            check_weights(a.weights, a.dtype, a.stored_weights, a.model)     # what loading would refuse
             fmt = a.weights or a.stored_weights
-            if a.weights and a.stored_weights and a.weights != a.stored_weights:
-                raise ValueError(f"{a.model} holds {a.stored_weights} weights; drop --weights {a.weights}")
-            if a.weights == "bf16p" and a.dtype != "bfloat16":
-                raise ValueError("--weights bf16p packs bfloat16 weights losslessly: add --dtype bfloat16")
             plan = make_plan(cfg, DTYPES[a.dtype], max_model_len=min(kw["max_model_len"] or cfg.max_position_embeddings,
                                                                       cfg.max_position_embeddings),
                              max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],

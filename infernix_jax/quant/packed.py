@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from .formats import _pack4, _pad_even, _unpack4
+
 WINDOW = 15          # exponents a code can name; code 15 is the escape
 ESCAPE = 15
 
@@ -54,18 +56,14 @@ def pack(w) -> Packed12:
     esc = (code < 0) | (code >= WINDOW)
     code = np.where(esc, ESCAPE, code).astype(np.uint8)
     lo = (((bits >> 15) << 7) | (bits & 0x7F)).astype(np.uint8)
-    if code.shape[-1] % 2:
-        code = np.concatenate([code, np.zeros((*code.shape[:-1], 1), np.uint8)], axis=-1)
-    codes = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
     idx = np.flatnonzero(esc).astype(np.int32)
-    return Packed12(jnp.asarray(lo), jnp.asarray(codes), jnp.asarray(base, jnp.int32), jnp.asarray(idx),
-                    jnp.asarray(w.reshape(-1)[idx]), tuple(w.shape))
+    return Packed12(jnp.asarray(lo), _pack4(_pad_even(jnp.asarray(code))), jnp.asarray(base, jnp.int32),
+                    jnp.asarray(idx), jnp.asarray(w.reshape(-1)[idx]), tuple(w.shape))
 
 
 def unpack(p: Packed12):
     """Packed12 -> the BF16 matrix, bit for bit (jittable)."""
-    I = p.shape[-1]
-    code = jnp.stack([p.codes & 0xF, p.codes >> 4], axis=-1).reshape(*p.codes.shape[:-1], -1)[..., :I]
+    code = _unpack4(p.codes)[..., :p.shape[-1]]
     e = (p.base + code.astype(jnp.int32)).astype(jnp.uint16) & 0xFF
     lo = p.lo.astype(jnp.uint16)
     bits = ((lo >> 7) << 15) | (e << 7) | (lo & 0x7F)

@@ -198,14 +198,11 @@ def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress:
                                                arrs.get("tensor_scale"), e["fmt"], tuple(e["shape"]))
                 except (KeyError, TypeError) as err:
                     raise ModelLoadError(f"{path}: {name} lacks its {err} array: convert it again") from None
-                if tuple(e["shape"]) != spec.shape:
-                    raise ModelLoadError(f"{path}: tensor {name} is {e['shape']}, the config needs {list(spec.shape)}")
             else:
                 a = _check(path, name, raw.get(_key(name)), e)
-                if tuple(a.shape) != spec.shape:
-                    raise ModelLoadError(f"{path}: tensor {name} is {list(a.shape)}, the config needs {list(spec.shape)}")
-                values[name] = jnp.asarray(a, dtype=dtype if np.issubdtype(a.dtype, np.floating) or
-                                           a.dtype == jnp.bfloat16 else a.dtype)
+                values[name] = jnp.asarray(a, dtype=dtype if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype)
+            if tuple(e["shape"]) != spec.shape:          # (_check has held each array to its entry)
+                raise ModelLoadError(f"{path}: tensor {name} is {e['shape']}, the config needs {list(spec.shape)}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     return jax.tree_util.tree_unflatten(treedef, [values[_name(p)] for p, _ in leaves])
 
@@ -216,11 +213,8 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
     layer's tensors, quantize its projections to `weights`, save, let go. Returns the manifest."""
     from ..hub import resolve
     from ..loader import DTYPES, source_of
-    from ..quant import WEIGHT_FORMATS
-    if weights and weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    if weights == "bf16p" and dtype != "bfloat16":
-        raise ValueError("--weights bf16p packs bfloat16 weights losslessly: add --dtype bfloat16")
+    from ..quant import check_weights
+    check_weights(weights, dtype)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     src_path = resolve(spec)
@@ -255,10 +249,9 @@ def _convert_into(ck, tmp: Path, src_path: Path, cfg, fetch, tok, gen, weights, 
     bar = tqdm(parts.items(), desc=f"converting {src_path.name}", unit="part", disable=None if progress else True)
     for part, items in bar:
         vals = materialize({n: s for n, s in items}, fetch, DTYPES[dtype], desc=part)
-        if weights and part != "top":
-            short = {n.split("/", 2)[2]: v for n, v in vals.items()}
-            short = quantize_layer(short, weights)
-            vals = {f"layers/{int(part[6:])}/{k}": v for k, v in short.items()}
+        if weights and part != "top":                  # "layers/3/wq" -> quantize_layer's "wq" and back
+            full = {n.split("/", 2)[2]: n for n in vals}
+            vals = {full[k]: v for k, v in quantize_layer({k: vals[n] for k, n in full.items()}, weights).items()}
         tensors.update(write_part(ck, tmp, part, vals))
         del vals
     _write_tokenizer(src_path, tmp, tok, gen)
