@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import generation_config
 from .config import ConfigError, ModelConfig
 from .hub import ALIASES, resolve
-from .models.params import declare_params
+from .models.params import ParamSpec, declare_params
 from .tokenizer import Tokenizer, TokenizerError
 from .quant import check_weights
+from .quant.ggml import GGML_FORMATS
 from .quant.packed import report
 from .weights.common import ModelLoadError, materialize
 from .weights.converted import config_from_manifest, is_converted, load_params, read_manifest
@@ -42,13 +46,19 @@ def _gguf_config(path: Path, kv: dict, src: GGUFSource) -> ModelConfig:
     return ModelConfig.from_gguf_fields(kv, set(src.tensors), int(embed.shape[-1]))
 
 
-def _gguf_source(path: Path, with_tokenizer: bool):
+def _gguf_parts(path: Path, with_tokenizer: bool):
     reader = open_gguf(path)
     kv = read_metadata(reader, full_arrays=with_tokenizer)
     src = GGUFSource(reader)
     cfg = _gguf_config(path, kv, src)
-    tok = Tokenizer.from_gguf_metadata(kv) if with_tokenizer else None
-    return cfg, src.fetch, tok, generation_config.from_gguf(kv)
+    # a file without any tokenizer (a test file, a bare export) loads without one: serving says so
+    tok = Tokenizer.from_gguf_metadata(kv) if with_tokenizer and "tokenizer.ggml.model" in kv else None
+    return cfg, src, tok, generation_config.from_gguf(kv)
+
+
+def _gguf_source(path: Path, with_tokenizer: bool):
+    cfg, src, tok, gen = _gguf_parts(path, with_tokenizer)
+    return cfg, src.fetch, tok, gen
 
 
 def _hf_source(path: Path, with_tokenizer: bool):
@@ -117,6 +127,65 @@ def load_config(spec: str) -> ModelConfig:
                          f"(config.json + safetensors), a .gguf file, a converted checkpoint or an alias")
 
 
+def _projections(specs: dict) -> list:
+    """The specs of the matrices --weights quantizes (quant.apply.QUANTIZABLE), layer by layer."""
+    from .quant.apply import QUANTIZABLE
+    return [p[n] for p in specs["layers"] for n in sorted(QUANTIZABLE & p.keys())]
+
+
+def gguf_block_source(path: Path, with_tokenizer: bool = True):
+    """(config, GGUFSource, tokenizer, generation defaults) of a GGUF file for --weights gguf."""
+    if not (path.suffix == ".gguf" or _looks_like_gguf(path)):
+        raise ModelLoadError(f"--weights gguf keeps a GGUF file's quantized blocks on the device, and {path} "
+                             f"is not a .gguf file: pick another --weights format")
+    try:
+        return _gguf_parts(path, with_tokenizer)
+    except (ConfigError, TokenizerError, ValueError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def block_keeper(specs: dict, src: GGUFSource):
+    """materialize's `keep` for --weights gguf: the projections of `specs` (this very tree) as the
+    file's own blocks where a kernel reads their type (quant/ggml.py), None for the rest. Logs what
+    it will keep."""
+    projections = _projections(specs)
+    kept = Counter(src.block_format(s) or src.tensors[s.gguf].tensor_type.name
+                   for s in projections if s.gguf in src.tensors)
+    fmts = ", ".join(f"{n} {k}" for k, n in sorted(kept.items()))
+    if not any(f in GGML_FORMATS for f in kept):
+        log.warning("--weights gguf: no projection is in a type with a kernel (%s): all are dequantized (%s)",
+                    ", ".join(GGML_FORMATS), fmts)
+    else:
+        log.info("--weights gguf: projections kept as stored (%s; types without a kernel dequantized)", fmts)
+    targets = {id(s) for s in projections}
+    return lambda s: src.blocks(s) if id(s) in targets else None
+
+
+def _load_gguf_blocks(path: Path, dtype, with_tokenizer: bool):
+    """--weights gguf: the projections stay in the file's own quantized blocks; everything else is
+    dequantized to dtype as usual."""
+    cfg, src, tok, gen = gguf_block_source(path, with_tokenizer)
+    specs = declare_params(cfg)
+    params = materialize(specs, src.fetch, dtype, desc=f"loading {path.name} (GGUF blocks)",
+                         keep=block_keeper(specs, src))
+    return cfg, params, tok, gen
+
+
+def planned_gguf_bytes(spec: str, dtype) -> int:
+    """Device bytes of a GGUF model's weights under --weights gguf (for --plan): the projections
+    kept at their repacked size (quant/formats.nominal_bits), the rest dequantized to dtype."""
+    from .quant.formats import nominal_bits
+    cfg, src, _, _ = _gguf_parts(resolve(spec), False)
+    specs = declare_params(cfg)
+    projections = {id(s) for s in _projections(specs)}
+    total = 0
+    for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, ParamSpec)):
+        n = int(np.prod(s.shape))
+        fmt = src.block_format(s) if id(s) in projections else ""
+        total += int(n * nominal_bits(fmt) / 8) if fmt else n * jnp.dtype(dtype).itemsize
+    return total
+
+
 def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, weights: str | None = None) -> LoadedModel:
     """Raises ModelLoadError / ConfigError / TokenizerError with a one-line, actionable message.
     weights: a quant format (quant/formats.py) to quantize the projections to after loading."""
@@ -128,6 +197,9 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
     stored = ""                    # a converted checkpoint's own format: its projections come quantized
     if is_converted(path):
         cfg, params, tok, gen, stored = _load_converted(path, dtype, with_tokenizer, weights)
+    elif weights == "gguf":
+        cfg, params, tok, gen = _load_gguf_blocks(path, jdt, with_tokenizer)
+        stored = "gguf"
     else:
         cfg, fetch, tok, gen = source_of(path, with_tokenizer)
         params = materialize(declare_params(cfg), fetch, jdt, desc=f"loading {path.name}")

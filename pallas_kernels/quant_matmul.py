@@ -17,6 +17,8 @@ them per format:
   int4        data [N, K/2] bytes (element 2j in the low nibble), scale [N, K/128] f32,
               zero [N, K/128] uint8
   nvfp4       data [N, K/2] e2m1 codes, scale [N, K/16] e4m3, tensor scale [1] f32
+  GGUF blocks (q8_0, q4_0, q4_1, q4_k, q6_k, iq4_xs): the arrays ggml_blocks.LAYOUT lists, each
+              [N, K / weights per column]; a tile of each is decoded by ggml_blocks.decode
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import ggml_blocks
 from .paged_decode_attention import _compiler_params
 
 GROUP = {"int8": 0, "fp8": 0, "fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
@@ -66,13 +69,15 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def unsupported(fmt: str, shape: tuple, x_dtype) -> str | None:
     """Why the kernel cannot take this weight (None if it can): the reference route is used then."""
-    if fmt not in GROUP:
+    if fmt not in GROUP and fmt not in ggml_blocks.LAYOUT:
         return f"format {fmt!r}"
     if len(shape) != 2:
         return f"weight rank {len(shape)} (stacked experts go through the grouped expert kernel)"
     N, K = shape
     if not _pow2_divisor(N, 16) or not _pow2_divisor(K, 32):
         return f"shape {shape}: N must be a multiple of 16 and K of 32"
+    if fmt in ggml_blocks.LAYOUT and K % ggml_blocks.block(fmt):
+        return f"shape {shape}: {fmt} blocks need K a multiple of {ggml_blocks.block(fmt)}"
     if jnp.dtype(x_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         return f"activations in {jnp.dtype(x_dtype)}"
     if fmt in E4M3 and _gpu_capability() < (8, 9):
@@ -125,13 +130,17 @@ def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision):
     # x_ref [bm, K]; d_ref [bn, K or K/2] this program's weight rows; s_ref: see the module doc
     # (rows of this tile, or the row-block's for fp8b); o_ref [bm, bn]
     split = pl.program_id(2)
-    g = GROUP[fmt]
+    g = GROUP.get(fmt, 0)
     per = bk // 2 if fmt in PACKED else bk                   # stored elements per step along K
     G = max(1, bk // g) if g else 1                          # scale columns per step
 
     def tile(i):
         k = (split * steps + i) * bk                         # first weight of this step
         x = x_ref[:, pl.ds(k, bk)]
+        if fmt in ggml_blocks.LAYOUT:                        # each array's columns for this step
+            tiles = [r[:, pl.ds(k // w, max(1, bk // w))]
+                     for r, w in zip((d_ref, s_ref, *rest), ggml_blocks.LAYOUT[fmt])]
+            return x, ggml_blocks.decode(fmt, tiles, bk).astype(x.dtype)
         d = d_ref[:, pl.ds((split * steps + i) * per, per)]
         if fmt in ("int8", "fp8"):
             return x, d.astype(x.dtype)
@@ -167,7 +176,7 @@ def kernel_args(q) -> tuple:
         return q.data, q.scale, q.zero
     if q.fmt == "nvfp4":
         return q.data, q.scale, q.tensor_scale.reshape(1)
-    return q.data, q.scale
+    return q.arrays
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "shape", "block_sizes", "interpret"))
@@ -183,7 +192,7 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
     if K != shape[1]:
         raise ValueError(f"x has K={K}, the weight {shape}")
     bs = block_sizes or for_rows(M)
-    g = GROUP[fmt]
+    g = GROUP.get(fmt, 0)
     bn = _pow2_divisor(N, min(bs.bn, 128) if fmt == "fp8b" else bs.bn)
     bk = _pow2_divisor(K, max(bs.bk, 32))                    # >= 16 bytes of packed weights per step
     bm = max(16, min(bs.bm, 1 << max(0, (M - 1).bit_length())))
@@ -199,7 +208,9 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
     by_row = (lambda cols: pl.BlockSpec((bn, cols), lambda m, n, k: (n, 0)))     # this tile's rows, all columns
     in_specs = [pl.BlockSpec((bm, K), lambda m, n, k: (m, 0)),
                 pl.BlockSpec((bn, d.shape[1]), lambda m, n, k: (n, 0))]
-    if g == 0:                                               # a scale per output channel
+    if fmt in ggml_blocks.LAYOUT:                            # every array: this tile's rows
+        in_specs += [by_row(a.shape[1]) for a in (s, *rest)]
+    elif g == 0:                                             # a scale per output channel
         in_specs.append(by_row(1))
     elif fmt == "fp8b":                                      # one scale row per 128 output rows
         in_specs.append(pl.BlockSpec((1, s.shape[1]), lambda m, n, k: (n * bn // 128, 0)))

@@ -25,7 +25,8 @@ def run(prog: str, main: Callable[[], int | None]) -> int:
         return 2
 
 
-def add_model_args(p, default_model: str | None = None):
+def add_model_args(p, default_model: str | None = None, more_weights: tuple = ()):
+    """--model, --dtype, --weights (WEIGHT_FORMATS and more_weights), --lossless."""
     from infernix_jax.hub import DEFAULT_MODEL
     p.add_argument("--model", default=default_model or DEFAULT_MODEL,
                    help="a Hugging Face model directory, a .gguf file, or an alias (default: %(default)s)")
@@ -33,12 +34,13 @@ def add_model_args(p, default_model: str | None = None):
                    help="compute dtype (default: a converted checkpoint's own, else float32: XLA's CPU bf16 "
                         "matmuls are slow)")
     from infernix_jax.quant import WEIGHT_FORMATS
-    p.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
+    p.add_argument("--weights", default=None, choices=(*WEIGHT_FORMATS, *more_weights),
                    help="quantize the projections after loading (attention, MLP, linear attention, shared "
                         "experts; embeddings, LM head and routed experts stay as loaded). On a GPU, decode "
                         "reads them through a fused dequantizing kernel; docs/quality.md says what each costs. "
                         "bf16p: lossless 12-bit packing of bfloat16 weights (bit-identical output; needs "
-                        "--dtype bfloat16)")
+                        "--dtype bfloat16). gguf: a .gguf model's projections stay in the file's own blocks "
+                        "(Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, IQ4_XS; values unchanged), other types are dequantized")
     p.add_argument("--lossless", action="store_true",
                    help="the exact route: float32 activations, every matmul in full f32 (no TF32, no bf16), "
                         "the reference attention and dequantize-then-multiply: slower, the reference for "

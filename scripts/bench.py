@@ -82,13 +82,15 @@ def main(argv=None) -> int:
     p.add_argument("--attention", action="store_true", help="also compare the attention kernels with cuDNN")
     p.add_argument("--tune", action="store_true", help="sweep the kernels' block sizes first (shapes: attention; "
                                                         "qmatmul: the quantized matmul)")
-    p.add_argument("--formats", default="int8,fp8,fp8b,mxfp8,int4,nvfp4", help="for 'qmatmul': weight formats")
+    p.add_argument("--formats", default="int8,fp8,fp8b,mxfp8,int4,nvfp4", help="for 'qmatmul': weight formats (also the GGUF blocks q8_0, q4_0, q4_1, q4_k, q6_k, "
+                        "iq4_xs, as random blocks)")
     p.add_argument("--torch-batches", default="", help="batches for transformers' static cache, e.g. 1,64")
     p.add_argument("--attn-impl", default=None, choices=["pallas", "reference"],
                    help="shapes: the kernels to time (default pallas); decode: the engine's (default: pallas on GPU)")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--out", default="bench-out")
-    add_model_args(p)
+    from infernix_jax.quant.ggml import GGML_FORMATS
+    add_model_args(p, more_weights=GGML_FORMATS)      # shapes: random GGUF blocks of one type
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -129,13 +131,15 @@ def main(argv=None) -> int:
         if a.what == "qmatmul":
             from scripts import bench_quant
             from infernix_jax.quant.formats import FORMATS
+            from infernix_jax.quant.ggml import GGML_FORMATS
+            known = (*FORMATS, *GGML_FORMATS)
             shape = "qwen3-8b" if a.shape == p.get_default("shape") else a.shape
             if shape not in bench_quant.PRESETS:
                 raise ValueError(f"unknown shape {shape!r}; known: {', '.join(bench_quant.PRESETS)}")
             fmts = [f for f in a.formats.split(",") if f]
-            bad = set(fmts) - set(FORMATS)
+            bad = set(fmts) - set(known)
             if bad:
-                raise ValueError(f"unknown --formats {', '.join(sorted(bad))}; known: {','.join(FORMATS)}")
+                raise ValueError(f"unknown --formats {', '.join(sorted(bad))}; known: {','.join(known)}")
             batches = "1,64,256,4096" if a.batches == p.get_default("batches") else a.batches
             bench_quant.run(shape, a.out, [int(x) for x in batches.split(",") if x], fmts, a.tune)
             return 0

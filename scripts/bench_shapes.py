@@ -25,6 +25,7 @@ from infernix_jax.engine.sampler import SamplingArrays
 from infernix_jax.models.hybrid_paged import StateRows
 from infernix_jax.models.paged import init_paged_kv, kv_bytes_per_token, state_bytes_per_seq
 from infernix_jax.models.params import init_params
+from infernix_jax.quant import WEIGHT_FORMATS
 
 GiB = 1 << 30
 
@@ -86,6 +87,16 @@ def prefill_flops(cfg, n: int) -> float:
     return 2 * per_tok * n + attn + 2 * H * cfg.vocab_size
 
 
+def gguf_blocks(params: dict, fmt: str) -> dict:
+    """params with the projections as random GGUF blocks of type fmt (--weights q4_k, ...: nothing
+    quantizes to those types; speed does not depend on the values)."""
+    from infernix_jax.quant.apply import QUANTIZABLE
+    from scripts.bench_quant import quantized
+    layers = [{k: quantized(v, fmt, i) if k in QUANTIZABLE else v for k, v in p.items()}
+              for i, p in enumerate(params["layers"])]
+    return {**params, "layers": layers}
+
+
 class Bench:
     def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas",
                  weights: str | None = None):
@@ -99,7 +110,8 @@ class Bench:
         self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
         if weights:              # --weights: the projections quantized, multiplied by impl's kernels
             from infernix_jax.quant.apply import quantize_params, with_impl
-            self.params = with_impl(quantize_params(self.params, weights, progress=False), impl)
+            self.params = with_impl(quantize_params(self.params, weights, progress=False)
+                                    if weights in WEIGHT_FORMATS else gguf_blocks(self.params, weights), impl)
         self.weights_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
         self.per_tok = kv_bytes_per_token(self.cfg, self.dtype)
         self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state

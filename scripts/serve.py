@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         if not 0 < a.port < 65536:
             raise ValueError(f"--port must be between 1 and 65535, got {a.port}")
         if a.plan:
-            from infernix_jax.loader import DTYPES, load_config
+            from infernix_jax.loader import DTYPES, load_config, planned_gguf_bytes
             from infernix_jax.engine.plan import make_plan
             cfg = load_config(a.model)
             kw = engine_kwargs(a)
@@ -69,7 +69,8 @@ def main(argv=None) -> int:
                                                                       cfg.max_position_embeddings),
                              max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
                              kv_cache_gib=kw["kv_cache_gib"], memory_fraction=kw["memory_fraction"],
-                             max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=fmt)
+                             max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=fmt,
+                             weights_bytes=planned_gguf_bytes(a.model, DTYPES[a.dtype]) if fmt == "gguf" else None)
             print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype}"
                   f"{', weights ' + fmt if fmt else ''})")
             print(plan.describe())

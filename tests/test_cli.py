@@ -128,5 +128,7 @@ def test_serve_plan_prints_the_allocation_without_loading(smollm):
     q = run_cli("scripts.serve", "--plan", "--weights", "int4")       # quantized projections plan smaller
     w = lambda out: float(re.search(r"weights:\s+([\d.]+) GiB", out).group(1))  # noqa: E731
     assert q.returncode == 0 and "weights int4" in q.stdout and w(q.stdout) < w(r.stdout), q.stdout
+    g = run_cli("scripts.serve", "--plan", "--weights", "gguf")        # the file's Q4_1 blocks as stored
+    assert g.returncode == 0 and "weights gguf" in g.stdout and w(g.stdout) < 0.5 * w(r.stdout), g.stdout
     bad = run_cli("scripts.serve", "--plan", "--weights", "int3")
     assert bad.returncode == 2 and "--weights" in bad.stderr and "Traceback" not in bad.stderr

@@ -17,7 +17,7 @@ import numpy as np
 from ..loader import LoadedModel
 from .block_manager import BlockManager, root_key
 from .host_tier import GiB, HostTier
-from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan
+from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan, params_bytes
 from .request import Event, Request, Result, SamplingParams
 from .runner import STOP_WIDTH, Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
@@ -70,7 +70,8 @@ class Engine:
                                           max_num_seqs=max_num_seqs, block_size=block_size,
                                           kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
                                           max_num_batched_tokens=max_num_batched_tokens,
-                                          weights_format=model.weights_format)
+                                          weights_format=model.weights_format,
+                                          weights_bytes=params_bytes(model.params))
         # Prefix keys start from a root that names what the blocks' contents depend on.
         dtype_name = np.dtype(model.dtype).name
         weights = cache_file.weights_identity(model.path) or model.name      # random weights: the name

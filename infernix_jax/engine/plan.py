@@ -62,12 +62,21 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
+def params_bytes(params) -> int:
+    """Bytes of a loaded model's arrays (quantized and packed matrices at their stored size)."""
+    return sum(int(a.nbytes) for a in jax.tree.leaves(params))
+
+
 def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int, block_size: int = 16,
               kv_cache_gib: float | None = None, memory_fraction: float = 0.9,
-              max_num_batched_tokens: int = 2048, weights_format: str = "") -> MemoryPlan:
+              max_num_batched_tokens: int = 2048, weights_format: str = "",
+              weights_bytes: int | None = None) -> MemoryPlan:
+    """weights_bytes: the weights' real size where known (loaded params, or a GGUF file's blocks);
+    else planned from the config and weights_format."""
     from ..quant.apply import planned_bytes
     itemsize = jnp.dtype(dtype).itemsize
-    weights = planned_bytes(abstract_params(cfg, dtype), itemsize, weights_format)
+    weights = weights_bytes if weights_bytes is not None else \
+        planned_bytes(abstract_params(cfg, dtype), itemsize, weights_format)
     per_tok = kv_bytes_per_token(cfg, dtype)
     # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels.ggml_blocks import LAYOUT, decode
+
 FORMATS = ("int8", "fp8", "fp8b", "mxfp8", "int4", "nvfp4")
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0
@@ -43,11 +45,16 @@ class QTensor:
     # how layers.linear multiplies by it: "reference" (dequantize, then XLA's dot), "pallas" (the
     # fused kernel, pallas_kernels/quant_matmul.py) or "pallas_interpret" (the same on the CPU)
     impl: str = struct.field(pytree_node=False, default="reference")
+    # the GGUF block formats' further arrays (quant/ggml.py; pallas_kernels/ggml_blocks.LAYOUT)
+    more: tuple = ()
+
+    @property
+    def arrays(self) -> tuple:
+        return tuple(a for a in (self.data, self.scale, self.zero, self.tensor_scale, *self.more) if a is not None)
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * a.dtype.itemsize
-                   for a in (self.data, self.scale, self.zero, self.tensor_scale) if a is not None)
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.arrays)
 
 
 def _groups(w, g: int):
@@ -146,6 +153,9 @@ def _e2m1_codes(x):
 def dequantize(q: QTensor, dtype=jnp.float32):
     """The matrix a QTensor stands for, [..., O, I] in dtype (computed in f32)."""
     I = q.shape[-1]
+    if q.fmt in LAYOUT:                  # GGUF blocks (quant/ggml.py): the kernels' own decoding
+        arrays = [a.reshape(-1, a.shape[-1]) for a in q.arrays]
+        return decode(q.fmt, arrays, I).reshape(q.shape).astype(dtype)
     if q.fmt in ("int8", "fp8"):
         w = q.data.astype(jnp.float32) * q.scale
     elif q.fmt == "fp8b":
@@ -168,4 +178,7 @@ def dequantize(q: QTensor, dtype=jnp.float32):
 def nominal_bits(fmt: str) -> float:
     """Bits per weight including scales (for reports): values plus their share of the scales."""
     return {"int8": 8, "fp8": 8, "fp8b": 8 + 32 / 128 ** 2, "mxfp8": 8 + 8 / 32,
-            "int4": 4 + 40 / 128, "nvfp4": 4 + 8 / 16, "bf16p": 12}[fmt]
+            "int4": 4 + 40 / 128, "nvfp4": 4 + 8 / 16, "bf16p": 12,
+            # GGUF blocks as held on the device (quant/ggml.py)
+            "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5, "q4_k": 4 + 16 / 32 + 32 / 256, "q6_k": 6 + 8 / 16 + 16 / 256,
+            "iq4_xs": 4 + 8 / 32 + 16 / 256}[fmt]

@@ -9,7 +9,7 @@ model larger than RAM converts and loads one decoder layer at a time.
   DST/tokenizer.json, tokenizer_config.json, generation_config.json (and the source's config.json)
 
 A quantized matrix (QTensor) is stored as its arrays, `name.data`, `name.scale` (and `name.zero`,
-`name.tensor_scale`), a packed one (bf16p) as `name.lo`, `.codes`, `.base`, `.esc_idx`, `.esc_val`,
+`name.tensor_scale`; GGUF blocks' further arrays as `name.more0`, ...), a packed one (bf16p) as `name.lo`, `.codes`, `.base`, `.esc_idx`, `.esc_val`,
 with its format and logical shape in the manifest."""
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..models.params import ParamSpec, declare_params
 from ..quant.formats import QTensor
+from ..quant.ggml import GGML_FORMATS
 from ..quant.packed import Packed12
 from .common import ModelLoadError
 
@@ -67,7 +68,10 @@ def _digest(a: np.ndarray) -> str:
 def _arrays(name: str, value) -> dict[str, np.ndarray]:
     if isinstance(value, (QTensor, Packed12)):
         fields = QPARTS if isinstance(value, QTensor) else PPARTS
-        return {f"{name}.{k}": np.asarray(getattr(value, k)) for k in fields if getattr(value, k) is not None}
+        out = {f"{name}.{k}": np.asarray(getattr(value, k)) for k in fields if getattr(value, k) is not None}
+        if isinstance(value, QTensor):             # GGUF blocks' further arrays: name.more0, ...
+            out.update({f"{name}.more{i}": np.asarray(a) for i, a in enumerate(value.more)})
+        return out
     return {name: np.asarray(value)}
 
 
@@ -184,7 +188,7 @@ def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress:
             if e is None:
                 raise ModelLoadError(f"{path}: the manifest has no tensor {name}, which this model needs: the "
                                      f"checkpoint and its config do not match")
-            if not isinstance(e, dict) or ("fmt" in e and (e["fmt"] not in WEIGHT_FORMATS
+            if not isinstance(e, dict) or ("fmt" in e and (e["fmt"] not in (*WEIGHT_FORMATS, *GGML_FORMATS)
                                                            or not isinstance(e.get("arrays"), dict))):
                 raise ModelLoadError(f"{path}: the manifest's entry for {name} is not usable: convert it again")
             if "fmt" in e:
@@ -194,8 +198,9 @@ def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress:
                     if e["fmt"] == "bf16p":
                         values[name] = Packed12(**arrs, shape=tuple(e["shape"]))
                     else:
+                        more = tuple(arrs[f"more{i}"] for i in range(sum(k.startswith("more") for k in arrs)))
                         values[name] = QTensor(arrs["data"], arrs["scale"], arrs.get("zero"),
-                                               arrs.get("tensor_scale"), e["fmt"], tuple(e["shape"]))
+                                               arrs.get("tensor_scale"), e["fmt"], tuple(e["shape"]), more=more)
                 except (KeyError, TypeError) as err:
                     raise ModelLoadError(f"{path}: {name} lacks its {err} array: convert it again") from None
             else:
@@ -221,12 +226,19 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
     dst = Path(dst).expanduser().absolute()
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst} exists and is not an empty directory; choose a new one")
-    cfg, fetch, tok, gen = source_of(src_path)
+    if weights == "gguf":                     # the file's own blocks, as --weights gguf loads them
+        from ..loader import block_keeper, gguf_block_source
+        cfg, src, tok, gen = gguf_block_source(src_path)
+        specs = declare_params(cfg)
+        fetch, keep = src.fetch, block_keeper(specs, src)
+    else:
+        cfg, fetch, tok, gen = source_of(src_path)
+        specs, keep = declare_params(cfg), None
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
     ocp, ck = _ckpt()
     try:
-        manifest = _convert_into(ck, tmp, src_path, cfg, fetch, tok, gen, weights, dtype, progress)
+        manifest = _convert_into(ck, tmp, src_path, cfg, specs, fetch, keep, tok, gen, weights, dtype, progress)
         if dst.exists():
             dst.rmdir()
         tmp.rename(dst)           # the directory appears whole or not at all
@@ -238,18 +250,19 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
         shutil.rmtree(tmp, ignore_errors=True)      # gone after the rename; a failure leaves nothing
 
 
-def _convert_into(ck, tmp: Path, src_path: Path, cfg, fetch, tok, gen, weights, dtype, progress) -> dict:
+def _convert_into(ck, tmp: Path, src_path: Path, cfg, specs, fetch, keep, tok, gen, weights, dtype,
+                  progress) -> dict:
     from ..loader import DTYPES
     from ..quant.apply import quantize_layer
     from .common import materialize
     (tmp / "params").mkdir()
     t0 = time.perf_counter()
     tensors: dict = {}
-    parts = parts_of(declare_params(cfg))
+    parts = parts_of(specs)
     bar = tqdm(parts.items(), desc=f"converting {src_path.name}", unit="part", disable=None if progress else True)
     for part, items in bar:
-        vals = materialize({n: s for n, s in items}, fetch, DTYPES[dtype], desc=part)
-        if weights and part != "top":                  # "layers/3/wq" -> quantize_layer's "wq" and back
+        vals = materialize({n: s for n, s in items}, fetch, DTYPES[dtype], desc=part, keep=keep)
+        if weights and weights != "gguf" and part != "top":                  # "layers/3/wq" -> quantize_layer's "wq" and back
             full = {n.split("/", 2)[2]: n for n in vals}
             vals = {full[k]: v for k, v in quantize_layer({k: vals[n] for k, n in full.items()}, weights).items()}
         tensors.update(write_part(ck, tmp, part, vals))

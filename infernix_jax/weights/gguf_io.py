@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..models.params import ParamSpec
+from ..quant.ggml import GGML_FORMATS, from_blocks
 from . import gguf_fixes
 from .common import ModelLoadError
 
@@ -88,3 +89,27 @@ class GGUFSource:
         if spec.gguf_permute_heads:
             w = unpermute_rope_rows(w, spec.gguf_permute_heads)
         return w
+
+    def block_format(self, spec: ParamSpec) -> str:
+        """The GGUF type a tensor is kept on the device in under --weights gguf ("" where it is
+        dequantized at load: a type without a kernel, a matrix that is not 2-D, or one whose values
+        llama.cpp's conversion changed and loading must undo)."""
+        t = self.tensors.get(spec.gguf)
+        fmt = t.tensor_type.name.lower() if t is not None else ""
+        if fmt not in GGML_FORMATS or spec.gguf_fix or len(spec.shape) != 2:
+            return ""
+        return fmt if tuple(np.asarray(t.data).shape[:1]) == spec.shape[:1] else ""
+
+    def blocks(self, spec: ParamSpec):
+        """The tensor as a QTensor of its own GGUF blocks (quant/ggml.py), or None (see block_format).
+        llama's q/k row permutation moves whole rows, so it applies to the blocks as they are."""
+        fmt = self.block_format(spec)
+        if not fmt:
+            return None
+        raw = np.asarray(self.tensors[spec.gguf].data)
+        if spec.gguf_permute_heads:
+            raw = unpermute_rope_rows(raw, spec.gguf_permute_heads)
+        try:
+            return from_blocks(fmt, raw, spec.shape)
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {spec.gguf}: {e}; the file does not match its config") from None

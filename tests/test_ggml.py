@@ -1,0 +1,164 @@
+"""GGUF blocks kept quantized on the device (`--weights gguf`, infernix_jax/quant/ggml.py): the
+repacked blocks decode bit-identically to gguf-py's own dequantization; the fused matmul kernel
+reads them (interpret mode on the CPU, compiled on the GPU, lowered to Triton from the CPU) as the
+reference does; a GGUF file of mixed block types served on its blocks matches transformers given
+the stored weights; the real SmolLM2 file gives the very logits of dequantizing at load."""
+import dataclasses
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.loader import load_model
+from infernix_jax.quant.apply import with_impl
+from infernix_jax.quant.formats import dequantize
+from infernix_jax.quant.ggml import GGML_FORMATS, from_blocks, random_blocks
+from infernix_jax.weights import ModelLoadError
+from pallas_kernels.quant_matmul import BlockSizes, kernel_args, quant_matmul, unsupported
+
+Q = gguf.GGMLQuantizationType
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+CASES = [  # (M, N, K, block sizes): a decode row, odd rows with a K split, many rows in one K step
+    (1, 192, 512, None),
+    (37, 64, 768, BlockSizes(bm=16, bn=32, bk=128, split=3)),
+    (130, 32, 256, BlockSizes(bm=64, bn=32, bk=256, split=1)),
+    (2, 64, 512, BlockSizes(bm=16, bn=32, bk=256, split=2)),               # two blocks per K step
+]
+
+
+# (transformers and torch are imported by the tests that use them: the GPU machine runs this file
+# without them)
+
+
+def blocks(seed: int, fmt: str, rows: int, cols: int):
+    return random_blocks(np.random.default_rng(seed), fmt, rows, cols)
+
+
+@pytest.mark.parametrize("fmt", GGML_FORMATS)
+def test_repacked_blocks_decode_bit_identically_to_gguf(fmt):
+    for seed, (rows, cols) in enumerate([(8, 256), (48, 1024)]):
+        raw = blocks(seed, fmt, rows, cols)
+        want = gguf.quants.dequantize(raw, Q[fmt.upper()])
+        q = from_blocks(fmt, raw, (rows, cols))
+        got = np.asarray(dequantize(jax.tree.map(jnp.asarray, q)))
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+        np.testing.assert_array_equal(got, want)
+        # the repacked arrays take (about) the file's bytes
+        assert q.nbytes <= 1.05 * raw.nbytes
+
+
+def test_repacking_rejects_blocks_of_the_wrong_size():
+    raw = blocks(0, "q4_k", 8, 256)
+    with pytest.raises(ValueError, match="do not hold"):
+        from_blocks("q4_k", raw, (8, 512))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("fmt", GGML_FORMATS)
+def test_quant_matmul_reads_gguf_blocks_as_the_reference(fmt, case, dtype, interpret):
+    M, N, K, bs = CASES[case]
+    q = jax.tree.map(jnp.asarray, from_blocks(fmt, blocks(10 + case, fmt, N, K), (N, K)))
+    x = jax.random.normal(jax.random.PRNGKey(100 + case), (M, K), jnp.float32).astype(dtype)
+    out = quant_matmul(x, kernel_args(q), fmt, q.shape, block_sizes=bs, interpret=interpret)
+    assert out.shape == (M, N) and out.dtype == dtype
+    w = dequantize(q, dtype).astype(jnp.float32)
+    ref = np.asarray(jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision="highest"))
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
+    assert err <= TOL[dtype], err
+
+
+@pytest.mark.parametrize("fmt", GGML_FORMATS)
+def test_quant_matmul_on_gguf_blocks_lowers_to_triton(fmt):
+    from jax import export
+    q = jax.tree.map(jnp.asarray, from_blocks(fmt, blocks(3, fmt, 512, 2048), (512, 2048)))
+    for M in (1, 64):
+        f = jax.jit(lambda x, a: quant_matmul(x, a, fmt, q.shape))
+        exp = export.export(f, platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+        text = exp(jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16), kernel_args(q)).mlir_module()
+        assert "__gpu$xla.gpu.triton" in text
+
+
+def test_k_quants_need_whole_super_blocks():
+    assert unsupported("q4_k", (64, 384), jnp.float32)            # 384 is not a multiple of 256
+    assert unsupported("q4_0", (64, 384), jnp.float32) is None
+
+
+# one block type per projection, cycling; Q5_0 has no kernel and is dequantized at load
+TYPES = [Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0]
+
+
+def test_a_gguf_of_mixed_blocks_served_on_its_blocks_matches_transformers(tmp_path, monkeypatch):
+    """llama (its q/k rows permuted in the file: the blocks move as whole rows) with every kept
+    type and one without a kernel; transformers gets exactly the stored weights."""
+    from hf_reference import hf_logits, load_into, make_hf_model, write_gguf
+    from test_models import RTOL, ours_full, rel_err
+    hf = make_hf_model("llama", seed=3, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=64)
+    picked = {}
+
+    def qtype_for(name, arr):
+        if arr.ndim != 2 or "token_embd" in name or "output" == name.split(".")[0]:
+            return None
+        return picked.setdefault(name, TYPES[len(picked) % len(TYPES)])
+
+    real = gguf.quants.quantize
+    rng = np.random.default_rng(5)
+
+    def quantize(a, qtype):        # gguf-py writes the simple types; K and IQ blocks are random
+        if qtype in (Q.Q4_K, Q.Q6_K, Q.IQ4_XS):
+            return random_blocks(rng, qtype.name.lower(), *a.shape)
+        return real(a, qtype)
+
+    monkeypatch.setattr(gguf.quants, "quantize", quantize)
+    stored = write_gguf(hf, tmp_path / "mixed.gguf", "llama", qtype_for)
+    monkeypatch.undo()
+    load_into(hf, stored)
+    m = load_model(str(tmp_path / "mixed.gguf"), with_tokenizer=False, weights="gguf")
+    assert m.weights_format == "gguf"
+    got = {getattr(v, "fmt", "dequantized") for p in m.params["layers"] for k, v in p.items() if k.startswith("w")}
+    assert got == {*GGML_FORMATS, "dequantized"}
+    tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (2, 9))
+    ref = hf_logits(hf, tokens)
+    assert rel_err(ours_full(m, tokens), ref) <= RTOL
+    kernels = dataclasses.replace(m, params=with_impl(m.params, "pallas_interpret"))
+    assert rel_err(ours_full(kernels, tokens), ref) <= RTOL
+    # infernix-convert keeps the blocks too: every array of every type comes back bit for bit
+    from scripts.convert import main as convert_main
+    assert convert_main([str(tmp_path / "mixed.gguf"), str(tmp_path / "conv"), "--weights", "gguf",
+                         "--dtype", "float32"]) == 0
+    c = load_model(str(tmp_path / "conv"), with_tokenizer=False)
+    assert c.weights_format == "gguf"
+    for a, b in zip(jax.tree.leaves(c.params), jax.tree.leaves(m.params), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_smollm2_on_its_q4_1_blocks_gives_the_logits_of_dequantizing_at_load(smollm):
+    from infernix_jax.engine.plan import params_bytes
+    from test_models import ours_full
+    m = load_model("smollm2-135m-instruct", dtype="float32", weights="gguf")
+    assert {p["wq"].fmt for p in m.params["layers"]} == {"q4_1"}
+    assert params_bytes(m.params) < 0.4 * params_bytes(smollm.params)
+    tokens = np.asarray([smollm.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])])
+    np.testing.assert_array_equal(ours_full(m, tokens), ours_full(smollm, tokens))
+
+
+def test_gguf_blocks_need_a_gguf_file(tmp_path):
+    from hf_reference import make_hf_model
+    hf = make_hf_model("qwen2", seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ModelLoadError, match="is not a .gguf file"):
+        load_model(str(tmp_path / "hf"), with_tokenizer=False, weights="gguf")
+
+
+def test_the_iq4nl_quartic_gives_every_grid_value():
+    from pallas_kernels.ggml_blocks import IQ4NL, iq4nl
+    assert [int(v) for v in iq4nl(jnp.arange(16, dtype=jnp.uint8))] == list(IQ4NL)
