@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 import time
 
 from scripts._common import run
@@ -68,6 +69,26 @@ def _cast(params, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
+SPILL_BYTES = 1 << 30
+
+
+def keep(windows, spill: str) -> list:
+    """The reference's scored log-probs of every window, kept for all the comparisons: in memory up to
+    SPILL_BYTES, past that in .npy files under `spill` (memory-mapped: at V = 152K a 4K-token text
+    holds 1.2 GB of them)."""
+    import numpy as np
+    out, held = [], 0
+    for i, lp in enumerate(windows):
+        held += lp.nbytes
+        if held > SPILL_BYTES:
+            m = np.lib.format.open_memmap(f"{spill}/ref{i}.npy", mode="w+", dtype=lp.dtype, shape=lp.shape)
+            m[...] = lp
+            m.flush()
+            lp = np.load(f"{spill}/ref{i}.npy", mmap_mode="r")
+        out.append(lp)
+    return out
+
+
 def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtype: str | None, ctx: int,
             max_tokens: int) -> dict:
     import jax
@@ -89,33 +110,37 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
     cfg, f32 = model.cfg, DTYPES["float32"]
 
     def logprobs(params, route: str, dtype_, impl: str):
-        with jax.default_matmul_precision("highest") if route == "lossless" else contextlib.nullcontext():
-            return [ql.window_logprobs(params, cfg, w, dtype_, impl) for w in wins]
+        """Each window's scored log-probs, one window at a time (a generator)."""
+        for w in wins:
+            with jax.default_matmul_precision("highest") if route == "lossless" else contextlib.nullcontext():
+                lp = ql.window_logprobs(params, cfg, w, dtype_, impl)
+            yield ql.scored(lp, w).copy()          # (not a view: the window's other rows go)
 
-    t0 = time.perf_counter()
-    ref = logprobs(model.params, "lossless", f32, "reference")
-    res = {"model": model.name, "device": jax.devices()[0].device_kind, "ctx": ctx, "windows": len(wins),
-           "default_dtype": str(dt.__name__),
-           "reference": "lossless route, weights as loaded", "rows": []}
-    floors = {}
-    for fmt in fmts:
-        if fmt != "none":
-            floor = ql.compare(ref, logprobs(ql.honest_params(model.params, fmt), "lossless", f32, "reference"), wins)
-            floors[fmt] = floor
-            res["rows"].append({"route": "honest rounding", "weights": fmt, **floor.row()})
-        for route in routes:
-            lossless = route == "lossless"
-            base = model.params if lossless else _cast(model.params, dt)
-            params = base if fmt == "none" else quantize_params(base, fmt, progress=False)
-            impl = "reference" if lossless or not on_gpu else "pallas"
-            st = ql.compare(ref, logprobs(with_impl(params, impl), route, f32 if lossless else dt, impl), wins)
-            row = {"route": route, "weights": fmt, **st.row()}
-            if fmt in floors and floors[fmt].mean_kl > 0:
-                row["of_honest"] = round(st.mean_kl / floors[fmt].mean_kl, 3)
-            res["rows"].append(row)
-    res["scored_tokens"] = res["rows"][0]["tokens"]         # every comparison scores the same positions
-    res["seconds"] = round(time.perf_counter() - t0, 1)
-    return res
+    with tempfile.TemporaryDirectory(prefix="infernix-quality-") as spill:
+        t0 = time.perf_counter()
+        ref = keep(logprobs(model.params, "lossless", f32, "reference"), spill)
+        res = {"model": model.name, "device": jax.devices()[0].device_kind, "ctx": ctx, "windows": len(wins),
+               "default_dtype": str(dt.__name__),
+               "reference": "lossless route, weights as loaded", "rows": []}
+        floors = {}
+        for fmt in fmts:
+            if fmt != "none":
+                floor = ql.compare(ref, logprobs(ql.honest_params(model.params, fmt), "lossless", f32, "reference"), wins)
+                floors[fmt] = floor
+                res["rows"].append({"route": "honest rounding", "weights": fmt, **floor.row()})
+            for route in routes:
+                lossless = route == "lossless"
+                base = model.params if lossless else _cast(model.params, dt)
+                params = base if fmt == "none" else quantize_params(base, fmt, progress=False)
+                impl = "reference" if lossless or not on_gpu else "pallas"
+                st = ql.compare(ref, logprobs(with_impl(params, impl), route, f32 if lossless else dt, impl), wins)
+                row = {"route": route, "weights": fmt, **st.row()}
+                if fmt in floors and floors[fmt].mean_kl > 0:
+                    row["of_honest"] = round(st.mean_kl / floors[fmt].mean_kl, 3)
+                res["rows"].append(row)
+        res["scored_tokens"] = res["rows"][0]["tokens"]         # every comparison scores the same positions
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        return res
 
 
 def table(res: dict) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from infernix_jax.quant.formats import E2M1, FORMATS, dequantize, quantize
-from infernix_jax.quant.quality import Stats, compare, honest_round, windows
+from infernix_jax.quant.quality import Stats, compare, honest_round, scored, windows
 
 
 def weights(seed, shape=(40, 300)):
@@ -36,7 +36,7 @@ def test_honest_rounding_lands_on_the_format_grid_with_exact_scales(fmt):
 def test_statistics_of_identical_and_shifted_distributions():
     rng = np.random.default_rng(0)
     ids = [list(rng.integers(0, 8, 20))]
-    ref = [np.log(rng.dirichlet(np.ones(8), 20)).astype(np.float32)]
+    ref = [scored(np.log(rng.dirichlet(np.ones(8), 20)).astype(np.float32), ids[0])]
     same = compare(ref, ref, ids)
     assert isinstance(same, Stats) and same.mean_kl == 0 and same.same_top == 1 and same.ppl_ratio == 1
     assert same.tokens == 9                               # the second half of the window, last position excluded
@@ -100,3 +100,15 @@ def test_lossless_flag_checks_its_company():
         assert a.attn_impl == "reference" and jax.config.jax_default_matmul_precision == "highest"
     finally:
         jax.config.update("jax_default_matmul_precision", before)
+
+
+def test_reference_log_probs_spill_to_disk_past_the_limit(tmp_path, monkeypatch):
+    import scripts.quality as q
+    monkeypatch.setattr(q, "SPILL_BYTES", 200)
+    rng = np.random.default_rng(1)
+    arrays = [rng.normal(size=(5, 8)).astype(np.float32) for _ in range(3)]
+    kept = q.keep(iter(arrays), str(tmp_path))
+    assert isinstance(kept[0], np.ndarray) and not isinstance(kept[0], np.memmap)     # 160 bytes: the first stays
+    assert all(isinstance(k, np.memmap) for k in kept[1:]) and len(list(tmp_path.iterdir())) == 2
+    for k, a in zip(kept, arrays):
+        np.testing.assert_array_equal(k, a)

@@ -107,14 +107,20 @@ class Stats:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
 
 
-def compare(ref: list, got: list, targets: list) -> Stats:
-    """llama.cpp's KL statistics of got against ref ([T, V] log-probs per window), scored on the
-    second half of each window (every position then has at least half a window of context).
-    targets: each window's ids (the text's real next tokens give the perplexities)."""
+def scored(lp, ids: list[int]):
+    """The rows of a window's log-probs [T, V] that are scored: the second half of the window (every
+    position then has at least half a window of context), less the last (its next token is unknown)."""
+    return lp[len(ids) // 2:len(ids) - 1]
+
+
+def compare(ref, got, targets: list) -> Stats:
+    """llama.cpp's KL statistics of got against ref, each an iterable of the windows' scored()
+    log-probs (got may be a generator: one window is in memory at a time). targets: each window's
+    ids (the text's real next tokens give the perplexities)."""
     kls, same, nll_ref, nll_got = [], [], [], []
     for r, g, ids in zip(ref, got, targets):
         lo = len(ids) // 2
-        r, g = r[lo:-1].astype(np.float64), g[lo:-1].astype(np.float64)
+        r, g = np.asarray(r, np.float64), np.asarray(g, np.float64)
         nxt = np.asarray(ids[lo + 1:])
         kls.append(np.maximum((np.exp(r) * (r - g)).sum(-1), 0.0))
         same.append(r.argmax(-1) == g.argmax(-1))
@@ -127,4 +133,4 @@ def compare(ref: list, got: list, targets: list) -> Stats:
                  tokens=int(kl.size))
 
 
-__all__ = ["HONEST", "Stats", "compare", "honest_params", "honest_round", "window_logprobs", "windows"]
+__all__ = ["HONEST", "Stats", "compare", "honest_params", "honest_round", "scored", "window_logprobs", "windows"]
