@@ -19,7 +19,7 @@ from .quant import check_weights
 from .quant.ggml import GGML_FORMATS
 from .quant.packed import report
 from .weights.common import ModelLoadError, materialize
-from .weights.converted import config_from_manifest, is_converted, load_params, read_manifest
+from .weights.converted import config_from_manifest, converted_bytes, is_converted, load_params, read_manifest
 from .weights.gguf_io import GGUFSource, open_gguf, read_metadata
 from .weights.safetensors_io import SafetensorsSource
 
@@ -36,7 +36,9 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     dtype: object
     generation_defaults: dict = dataclasses.field(default_factory=dict)   # see generation_config.py
-    weights_format: str = ""      # --weights: the QTensor format of the projections ("": as loaded)
+    # --weights: the QTensor format of the projections ("": as loaded; "gguf": each projection in its
+    # GGUF file's own block type, quant/ggml.py, or dequantized where that type has no kernel)
+    weights_format: str = ""
 
 
 def _gguf_config(path: Path, kv: dict, src: GGUFSource) -> ModelConfig:
@@ -95,6 +97,9 @@ def _load_converted(path: Path, dtype: str, with_tokenizer: bool, weights: str |
     m = read_manifest(path)
     cfg = config_from_manifest(path, m)
     stored = m.get("weights", "")
+    if weights == "gguf" and stored != "gguf":
+        raise ModelLoadError(f"{path} is a converted checkpoint without GGUF blocks; --weights gguf keeps a .gguf "
+                             f"file's blocks: convert the .gguf with --weights gguf, or drop the flag")
     _check_weights(weights, dtype, stored, path)
     params = load_params(path, m, cfg, DTYPES[dtype])
     tok = Tokenizer.from_hf_dir(path) if with_tokenizer and (path / "tokenizer.json").exists() else None
@@ -149,14 +154,14 @@ def block_keeper(specs: dict, src: GGUFSource):
     file's own blocks where a kernel reads their type (quant/ggml.py), None for the rest. Logs what
     it will keep."""
     projections = _projections(specs)
-    kept = Counter(src.block_format(s) or src.tensors[s.gguf].tensor_type.name
+    kept = Counter(src.block_format(s) or f"{src.tensors[s.gguf].tensor_type.name} dequantized"
                    for s in projections if s.gguf in src.tensors)
     fmts = ", ".join(f"{n} {k}" for k, n in sorted(kept.items()))
     if not any(f in GGML_FORMATS for f in kept):
-        log.warning("--weights gguf: no projection is in a type with a kernel (%s): all are dequantized (%s)",
+        log.warning("--weights gguf: no projection is kept (types with a kernel: %s): %s",
                     ", ".join(GGML_FORMATS), fmts)
     else:
-        log.info("--weights gguf: projections kept as stored (%s; types without a kernel dequantized)", fmts)
+        log.info("--weights gguf: projections %s", fmts)
     targets = {id(s) for s in projections}
     return lambda s: src.blocks(s) if id(s) in targets else None
 
@@ -173,9 +178,16 @@ def _load_gguf_blocks(path: Path, dtype, with_tokenizer: bool):
 
 def planned_gguf_bytes(spec: str, dtype) -> int:
     """Device bytes of a GGUF model's weights under --weights gguf (for --plan): the projections
-    kept at their repacked size (quant/formats.nominal_bits), the rest dequantized to dtype."""
+    kept at their repacked size (quant/formats.nominal_bits), the rest dequantized to dtype; for a
+    checkpoint converted with --weights gguf, its manifest's arrays (floats at dtype)."""
     from .quant.formats import nominal_bits
-    cfg, src, _, _ = _gguf_parts(resolve(spec), False)
+    path = resolve(spec)
+    if is_converted(path):
+        m = read_manifest(path)
+        if m.get("weights") != "gguf":
+            raise ModelLoadError(f"{path} is a converted checkpoint without GGUF blocks: drop --weights gguf")
+        return converted_bytes(m, dtype)
+    cfg, src, _, _ = gguf_block_source(path, False)
     specs = declare_params(cfg)
     projections = {id(s) for s in _projections(specs)}
     total = 0
@@ -188,7 +200,8 @@ def planned_gguf_bytes(spec: str, dtype) -> int:
 
 def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, weights: str | None = None) -> LoadedModel:
     """Raises ModelLoadError / ConfigError / TokenizerError with a one-line, actionable message.
-    weights: a quant format (quant/formats.py) to quantize the projections to after loading."""
+    weights: a quant format (quant/formats.py) to quantize the projections to after loading, bf16p
+    (lossless packing) or gguf (a .gguf file's projections kept in their own blocks)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     _check_weights(weights, dtype)

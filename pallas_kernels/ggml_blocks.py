@@ -52,7 +52,7 @@ def unpack_bits(b, bits: int):
     return b
 
 
-def _spread(s, n: int):
+def spread(s, n: int):
     """[rows, G] per-group values -> [rows, n] in f32 (each repeated over its n / G weights)."""
     rows, G = s.shape
     s = s.astype(jnp.float32)
@@ -60,15 +60,15 @@ def _spread(s, n: int):
 
 
 # IQ4NL as a quartic in the index, rounded: every grid value exactly (max error 0.48 before the
-# rounding; the tests check all 16), four FMAs instead of a table Triton has no gather for
+# rounding; the tests check all 16), four FMAs instead of a table (Triton has no gather)
 IQ4NL_POLY = tuple(float(c) for c in np.polyfit(np.arange(16.0), np.asarray(IQ4NL, np.float64), 4))
 
 
 def iq4nl(q):
     """4-bit indices -> IQ4NL values in f32."""
     q = q.astype(jnp.float32)
-    v = jnp.zeros_like(q)
-    for c in IQ4NL_POLY:
+    v = jnp.full_like(q, IQ4NL_POLY[0])
+    for c in IQ4NL_POLY[1:]:
         v = v * q + c
     return jnp.floor(v + 0.5)
 
@@ -77,17 +77,17 @@ def decode(fmt: str, arrays, n: int):
     """The f32 weights [rows, n] that `arrays` (each covering the same n weights along K) stand for."""
     a = arrays
     if fmt == "q8_0":
-        return a[0].astype(jnp.float32) * _spread(a[1], n)
+        return a[0].astype(jnp.float32) * spread(a[1], n)
     q = unpack_bits(a[0], 4).astype(jnp.float32)
     if fmt == "q4_0":
-        return _spread(a[1], n) * (q - 8.0)
+        return spread(a[1], n) * (q - 8.0)
     if fmt == "q4_1":
-        return _spread(a[1], n) * q + _spread(a[2], n)
+        return spread(a[1], n) * q + spread(a[2], n)
     if fmt == "q4_k":
-        return (_spread(a[3], n) * _spread(a[1], n)) * q - _spread(a[4], n) * _spread(a[2], n)
+        return (spread(a[3], n) * spread(a[1], n)) * q - spread(a[4], n) * spread(a[2], n)
     if fmt == "iq4_xs":
-        return (_spread(a[2], n) * _spread(a[1], n)) * iq4nl(q)
+        return (spread(a[2], n) * spread(a[1], n)) * iq4nl(q)
     if fmt == "q6_k":
         q = q + 16.0 * unpack_bits(a[1], 2).astype(jnp.float32)
-        return (_spread(a[3], n) * _spread(a[2], n)) * (q - 32.0)
+        return (spread(a[3], n) * spread(a[2], n)) * (q - 32.0)
     raise ValueError(f"unknown ggml format {fmt!r}")

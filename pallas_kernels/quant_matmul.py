@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from . import ggml_blocks
+from .ggml_blocks import spread, unpack_bits
 from .paged_decode_attention import _compiler_params
 
 GROUP = {"int8": 0, "fp8": 0, "fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
@@ -114,17 +115,6 @@ def _pow2(u):
     return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 23, jnp.float32)
 
 
-def _unpack(b):
-    """[n, k/2] bytes -> [n, k] nibbles, element 2j from byte j's low nibble."""
-    return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], 2 * b.shape[1])
-
-
-def _spread(s, bk: int):
-    """Scales of one tile [n, max(1, bk/g)] -> [n, bk] (each repeated over its group)."""
-    n, G = s.shape
-    return jnp.broadcast_to(s[:, :, None], (n, G, bk // G)).reshape(n, bk)
-
-
 def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision):
     x_ref, d_ref, s_ref, *rest, o_ref = refs
     # x_ref [bm, K]; d_ref [bn, K or K/2] this program's weight rows; s_ref: see the module doc
@@ -146,15 +136,15 @@ def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision):
             return x, d.astype(x.dtype)
         s = s_ref[:, pl.ds(k // g, G)]                       # [bn or 1, G]
         if fmt == "fp8b":                                    # one row of scales for the whole tile
-            w = d.astype(jnp.float32) * _spread(jnp.broadcast_to(s, (bn, G)), bk)
+            w = d.astype(jnp.float32) * spread(jnp.broadcast_to(s, (bn, G)), bk)
         elif fmt == "mxfp8":
             s = _pow2(s)                                     # e8m0: the exponent byte
-            w = d.astype(jnp.float32) * _spread(s, bk)
+            w = d.astype(jnp.float32) * spread(s, bk)
         elif fmt == "int4":
             z = rest[0][:, pl.ds(k // g, G)].astype(jnp.float32)
-            w = (_unpack(d).astype(jnp.float32) - _spread(z, bk)) * _spread(s, bk)
+            w = (unpack_bits(d, 4).astype(jnp.float32) - spread(z, bk)) * spread(s, bk)
         else:                                                # nvfp4
-            w = _e2m1(_unpack(d)) * _spread(s.astype(jnp.float32) * rest[0][0], bk)
+            w = _e2m1(unpack_bits(d, 4)) * spread(s.astype(jnp.float32) * rest[0][0], bk)
         return x, w.astype(x.dtype)
 
     def body(i, acc):

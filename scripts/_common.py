@@ -35,7 +35,7 @@ def add_model_args(p, default_model: str | None = None, more_weights: tuple = ()
                         "matmuls are slow)")
     from infernix_jax.quant import WEIGHT_FORMATS
     p.add_argument("--weights", default=None, choices=(*WEIGHT_FORMATS, *more_weights),
-                   help="quantize the projections after loading (attention, MLP, linear attention, shared "
+                   help="the projections' format: quantize them after loading (attention, MLP, linear attention, shared "
                         "experts; embeddings, LM head and routed experts stay as loaded). On a GPU, decode "
                         "reads them through a fused dequantizing kernel; docs/quality.md says what each costs. "
                         "bf16p: lossless 12-bit packing of bfloat16 weights (bit-identical output; needs "

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--out", default="bench-out")
     from infernix_jax.quant.ggml import GGML_FORMATS
-    add_model_args(p, more_weights=GGML_FORMATS)      # shapes: random GGUF blocks of one type
+    add_model_args(p, more_weights=GGML_FORMATS)      # shapes also takes a GGUF block type (random blocks)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

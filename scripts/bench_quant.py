@@ -130,11 +130,10 @@ def run(shape: str, out: str, batches: list[int], formats: list[str], tune: bool
                 bs = qmm.BlockSizes(*cand) if cand else None
                 t_k = kernel_us(x, qs, bs)
                 t_x = per_call_us(lambda x, q: x @ dequantize(q, jnp.bfloat16).T, x, qs)
-                row = {"proj": name, "N": N, "K": K, "M": M, "fmt": fmt, "us": round(t_k, 1),
-                       "xla_dequant_us": round(t_x, 1), "GBps": round(nbytes / t_k / 1e3, 1),
-                       "of_roofline": round(nbytes / t_k / 1e3 / (bw / 1e9), 3),
-                       "vs_bf16": round(t_bf16 / t_k, 2), "vs_xla_dequant": round(t_x / t_k, 2)}
-                emit(row)
+                emit({"proj": name, "N": N, "K": K, "M": M, "fmt": fmt, "us": round(t_k, 1),
+                      "xla_dequant_us": round(t_x, 1), "GBps": round(nbytes / t_k / 1e3, 1),
+                      "of_roofline": round(nbytes / t_k / 1e3 / (bw / 1e9), 3),
+                      "vs_bf16": round(t_bf16 / t_k, 2), "vs_xla_dequant": round(t_x / t_k, 2)})
     return res
 
 

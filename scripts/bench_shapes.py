@@ -24,6 +24,7 @@ from infernix_jax.engine import steps
 from infernix_jax.engine.sampler import SamplingArrays
 from infernix_jax.models.hybrid_paged import StateRows
 from infernix_jax.models.paged import init_paged_kv, kv_bytes_per_token, state_bytes_per_seq
+from infernix_jax.engine.plan import params_bytes
 from infernix_jax.models.params import init_params
 from infernix_jax.quant import WEIGHT_FORMATS
 
@@ -108,11 +109,13 @@ class Bench:
         self.prefill_alternatives = ((64, 4, 4, 3), (128, 4, 4, 3), (128, 8, 8, 2))
         self.dtype = jnp.bfloat16
         self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
+        if weights == "gguf":
+            raise ValueError("shapes has random weights, no GGUF file: pass a block type, e.g. --weights q4_k")
         if weights:              # --weights: the projections quantized, multiplied by impl's kernels
             from infernix_jax.quant.apply import quantize_params, with_impl
             self.params = with_impl(quantize_params(self.params, weights, progress=False)
                                     if weights in WEIGHT_FORMATS else gguf_blocks(self.params, weights), impl)
-        self.weights_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
+        self.weights_bytes = params_bytes(self.params)
         self.per_tok = kv_bytes_per_token(self.cfg, self.dtype)
         self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state
         self.bw = copy_bandwidth()

@@ -3,7 +3,7 @@ checkpoint that `--model DST` serves: Orbax checkpoints written a decoder layer 
 larger than RAM converts), with the projections quantized to --weights, the tokenizer and config
 beside them, and a manifest of every tensor's format, size and checksum (infernix.json).
 
-  infernix-convert SRC DST [--weights int8|fp8|fp8b|mxfp8|int4|nvfp4] [--dtype bfloat16]"""
+  infernix-convert SRC DST [--weights int8|fp8|fp8b|mxfp8|int4|nvfp4|bf16p|gguf] [--dtype bfloat16]"""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +19,9 @@ def main(argv=None) -> int:
     p.add_argument("src", help="a Hugging Face model directory, a .gguf file or an alias")
     p.add_argument("dst", help="a new directory for the converted checkpoint")
     p.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
-                   help="quantize the projections to this format, or pack them losslessly in 12 bits (bf16p, "
-                        "with --dtype bfloat16); default: keep them in --dtype")
+                   help="quantize the projections to this format, pack them losslessly in 12 bits (bf16p, "
+                        "with --dtype bfloat16), or keep a .gguf source's own blocks (gguf); default: keep "
+                        "them in --dtype")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the tensors that stay unquantized (default %(default)s)")
 

@@ -68,6 +68,8 @@ def main(argv=None) -> int:
         from infernix_jax.engine import Engine, Request
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype, weights=a.weights)
+        if model.tokenizer is None:
+            raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* metadata)")
         engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len,
                         attn_impl=getattr(a, "attn_impl", None))
         items = []  # (line dict, Request | None, error)

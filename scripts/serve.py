@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype, weights=a.weights)
         if model.tokenizer is None:
-            raise ValueError(f"{a.model} has no tokenizer (tokenizer.json); the server needs one")
+            raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* "
+                             f"metadata); the server needs one")
         names = tuple(a.served_model_name or (model.name,))
         limits.model_names = names
         model.name = next((n for n in names if n != "*"), model.name)

@@ -280,4 +280,3 @@ def load_into(model, stored: dict):
         for k, v in stored.items():
             sd[k].copy_(torch.as_tensor(v))
     return model
-

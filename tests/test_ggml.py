@@ -13,7 +13,7 @@ import pytest
 
 from infernix_jax.loader import load_model
 from infernix_jax.quant.apply import with_impl
-from infernix_jax.quant.formats import dequantize
+from infernix_jax.quant.formats import dequantize, nominal_bits
 from infernix_jax.quant.ggml import GGML_FORMATS, from_blocks, random_blocks
 from infernix_jax.weights import ModelLoadError
 from pallas_kernels.quant_matmul import BlockSizes, kernel_args, quant_matmul, unsupported
@@ -26,6 +26,7 @@ CASES = [  # (M, N, K, block sizes): a decode row, odd rows with a K split, many
     (37, 64, 768, BlockSizes(bm=16, bn=32, bk=128, split=3)),
     (130, 32, 256, BlockSizes(bm=64, bn=32, bk=256, split=1)),
     (2, 64, 512, BlockSizes(bm=16, bn=32, bk=256, split=2)),               # two blocks per K step
+    (3, 32, 512, BlockSizes(bm=16, bn=32, bk=64, split=2)),                # a step inside one block
 ]
 
 
@@ -46,8 +47,9 @@ def test_repacked_blocks_decode_bit_identically_to_gguf(fmt):
         got = np.asarray(dequantize(jax.tree.map(jnp.asarray, q)))
         assert np.isfinite(want).all() and np.abs(want).max() > 0
         np.testing.assert_array_equal(got, want)
-        # the repacked arrays take (about) the file's bytes
+        # the repacked arrays take (about) the file's bytes, as --plan counts them
         assert q.nbytes <= 1.05 * raw.nbytes
+        assert q.nbytes * 8 == nominal_bits(fmt) * rows * cols
 
 
 def test_repacking_rejects_blocks_of_the_wrong_size():
@@ -139,24 +141,47 @@ def test_a_gguf_of_mixed_blocks_served_on_its_blocks_matches_transformers(tmp_pa
     for a, b in zip(jax.tree.leaves(c.params), jax.tree.leaves(m.params), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_smollm2_on_its_q4_1_blocks_gives_the_logits_of_dequantizing_at_load(smollm):
+    # --plan's count of both is the bytes they load into
     from infernix_jax.engine.plan import params_bytes
+    from infernix_jax.loader import planned_gguf_bytes
+    assert planned_gguf_bytes(str(tmp_path / "mixed.gguf"), jnp.float32) == params_bytes(m.params)
+    assert planned_gguf_bytes(str(tmp_path / "conv"), jnp.float32) == params_bytes(c.params)
+    # a checkpoint converted without the blocks has none to keep: a clear error, not a crash
+    assert convert_main([str(tmp_path / "mixed.gguf"), str(tmp_path / "plain"), "--dtype", "float32"]) == 0
+    with pytest.raises(ModelLoadError, match="without GGUF blocks"):
+        load_model(str(tmp_path / "plain"), with_tokenizer=False, weights="gguf")
+    with pytest.raises(ModelLoadError, match="without GGUF blocks"):
+        planned_gguf_bytes(str(tmp_path / "plain"), jnp.float32)
+
+
+def test_smollm2_on_its_q4_1_blocks_gives_the_logits_of_dequantizing_at_load(smollm, smollm_engine):
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    from infernix_jax.engine.plan import params_bytes
+    from infernix_jax.loader import planned_gguf_bytes
     from test_models import ours_full
     m = load_model("smollm2-135m-instruct", dtype="float32", weights="gguf")
     assert {p["wq"].fmt for p in m.params["layers"]} == {"q4_1"}
     assert params_bytes(m.params) < 0.4 * params_bytes(smollm.params)
-    tokens = np.asarray([smollm.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])])
-    np.testing.assert_array_equal(ours_full(m, tokens), ours_full(smollm, tokens))
+    assert planned_gguf_bytes("smollm2-135m-instruct", jnp.float32) == params_bytes(m.params)
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
+    np.testing.assert_array_equal(ours_full(m, np.asarray([ids])), ours_full(smollm, np.asarray([ids])))
+    # the engine serves it: the same greedy reply as the model dequantized at load
+    p = SamplingParams(max_tokens=8, temperature=0)
+    got = Engine(m, max_num_seqs=1, max_model_len=128).generate([Request(ids, p)])
+    assert got[0].token_ids == smollm_engine.generate([Request(ids, p)])[0].token_ids
 
 
-def test_gguf_blocks_need_a_gguf_file(tmp_path):
+def test_gguf_blocks_need_a_gguf_file(tmp_path, capsys):
     from hf_reference import make_hf_model
+    from scripts.convert import main as convert_main
     hf = make_hf_model("qwen2", seed=1)
     hf.save_pretrained(tmp_path / "hf")
     with pytest.raises(ModelLoadError, match="is not a .gguf file"):
         load_model(str(tmp_path / "hf"), with_tokenizer=False, weights="gguf")
+    capsys.readouterr()                                   # (transformers' progress bars)
+    assert convert_main([str(tmp_path / "hf"), str(tmp_path / "out"), "--weights", "gguf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a .gguf file" in err[0] and not (tmp_path / "out").exists()
 
 
 def test_the_iq4nl_quartic_gives_every_grid_value():

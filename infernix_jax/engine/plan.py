@@ -1,5 +1,6 @@
 """What a start allocates: weights, the KV pool, per-token KV bytes, how many tokens fit.
-Computed from the config alone, so `infernix-serve --plan` needs no weights."""
+Computed from the config alone (so `infernix-serve --plan` needs no weights), or from the loaded
+weights' real size where the engine has them."""
 from __future__ import annotations
 
 import dataclasses

@@ -11,7 +11,9 @@ axis, `in`, last; leading axes such as MoE experts are kept).
 | nvfp4 | e2m1, two per byte             | e4m3 per 16 inputs, times one f32 tensor scale        |
 
 Every format rounds to nearest (even) after scaling, and each block's scale maps its largest
-magnitude onto the format's largest value, so nothing saturates. `dequantize` is the reference for
+magnitude onto the format's largest value, so nothing saturates. A QTensor may also hold a GGUF
+file's own blocks (q8_0, q4_0, q4_1, q4_k, q6_k, iq4_xs: quant/ggml.py), which nothing here
+quantizes to; their arrays are listed in pallas_kernels/ggml_blocks.py. `dequantize` is the reference for
 the Pallas matmul kernels and the fallback where they do not run."""
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ GROUP = {"fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
 class QTensor:
     """A quantized [..., O, I] matrix. data: the values ([..., O, I], or [..., O, I/2] bytes for the
     4-bit formats); scale: see the table above; zero: int4's zero points (else None); tensor_scale:
-    nvfp4's global f32 scale (else None)."""
+    nvfp4's global f32 scale (else None). GGUF blocks: data and scale are the first two of the
+    format's arrays (ggml_blocks.LAYOUT), `more` the rest."""
     data: jax.Array
     scale: jax.Array
     zero: jax.Array | None

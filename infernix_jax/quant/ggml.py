@@ -11,15 +11,15 @@ instead of 4.5, IQ4_XS 4.31 instead of 4.25). It is a QTensor: data and scale ar
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pallas_kernels.ggml_blocks import LAYOUT, block
 
 from .formats import QTensor
 
-# ggml's block bytes and the f16 fields at their start, per type
-_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210, "iq4_xs": 136}
 GGML_FORMATS = tuple(LAYOUT)
-BITS = {f: 8 * _BYTES[f] / block(f) for f in GGML_FORMATS}       # the file's bits per weight
+# bytes of one ggml block, per type
+_BYTES = {f: GGML_QUANT_SIZES[GGMLQuantizationType[f.upper()]][1] for f in GGML_FORMATS}
 
 
 def _f16(b):

@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..models.params import ParamSpec, declare_params
-from ..quant.formats import QTensor
+from pallas_kernels.ggml_blocks import LAYOUT
+
+from ..quant.formats import FORMATS, QTensor
 from ..quant.ggml import GGML_FORMATS
 from ..quant.packed import Packed12
 from .common import ModelLoadError
@@ -37,6 +39,7 @@ MANIFEST = "infernix.json"
 FORMAT, VERSION = "infernix-orbax", 1
 QPARTS = ("data", "scale", "zero", "tensor_scale")
 PPARTS = ("lo", "codes", "base", "esc_idx", "esc_val")
+TENSOR_FORMATS = (*FORMATS, "bf16p", *GGML_FORMATS)     # what one stored matrix can be in
 HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
             "special_tokens_map.json")
 
@@ -145,6 +148,18 @@ def read_manifest(path: Path) -> dict:
     return m
 
 
+def converted_bytes(m: dict, dtype) -> int:
+    """Device bytes of a converted checkpoint's tensors: quantized arrays as stored, the other float
+    tensors at dtype (load_params casts them)."""
+    total = 0
+    for e in m.get("tensors", {}).values():
+        for a in e.get("arrays", {}).values() if "fmt" in e else [e]:
+            n = int(np.prod(a["shape"]))
+            floating = "fmt" not in e and jnp.issubdtype(jnp.dtype(a["dtype"]), jnp.floating)
+            total += n * jnp.dtype(dtype).itemsize if floating else a["bytes"]
+    return total
+
+
 def config_from_manifest(path: Path, m: dict) -> ModelConfig:
     try:
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()}
@@ -165,7 +180,6 @@ def load_params(path: Path, m: dict, cfg: ModelConfig, dtype, progress: bool = T
 
 
 def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress: bool) -> dict:
-    from ..quant import WEIGHT_FORMATS
     specs = declare_params(cfg)
     tensors = m.get("tensors", {})
     values = {}
@@ -188,7 +202,7 @@ def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress:
             if e is None:
                 raise ModelLoadError(f"{path}: the manifest has no tensor {name}, which this model needs: the "
                                      f"checkpoint and its config do not match")
-            if not isinstance(e, dict) or ("fmt" in e and (e["fmt"] not in (*WEIGHT_FORMATS, *GGML_FORMATS)
+            if not isinstance(e, dict) or ("fmt" in e and (e["fmt"] not in TENSOR_FORMATS
                                                            or not isinstance(e.get("arrays"), dict))):
                 raise ModelLoadError(f"{path}: the manifest's entry for {name} is not usable: convert it again")
             if "fmt" in e:
@@ -203,6 +217,9 @@ def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress:
                                                arrs.get("tensor_scale"), e["fmt"], tuple(e["shape"]), more=more)
                 except (KeyError, TypeError) as err:
                     raise ModelLoadError(f"{path}: {name} lacks its {err} array: convert it again") from None
+                if e["fmt"] in GGML_FORMATS and len(values[name].arrays) != len(LAYOUT[e["fmt"]]):
+                    raise ModelLoadError(f"{path}: {name} holds {len(values[name].arrays)} of the "
+                                         f"{len(LAYOUT[e['fmt']])} arrays of a {e['fmt']} matrix: convert it again")
             else:
                 a = _check(path, name, raw.get(_key(name)), e)
                 values[name] = jnp.asarray(a, dtype=dtype if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype)
