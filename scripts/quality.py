@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=512, help="tokens per window (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=4096, help="score at most this many tokens of the text")
     p.add_argument("--json", default="quality.json", help="where to write the results (default %(default)s)")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="score the default route in pieces of this many tokens (default: whole windows). "
+                        "On a GPU, pieces of up to 128 rows run the fused quantized matmul that decode runs; "
+                        "whole windows run prefill's route (XLA dequantizing, then cuBLAS)")
 
     def go():
         a = p.parse_args(argv)
@@ -51,9 +55,11 @@ def main(argv=None) -> int:
                              f"choose from none, {', '.join(FORMATS)}")
         if a.ctx < 16 or a.max_tokens < 16:
             raise ValueError("--ctx and --max-tokens must be >= 16")
+        if a.chunk < 0:
+            raise ValueError(f"--chunk must be >= 0, got {a.chunk}")
         with open(a.text, encoding="utf-8") as f:
             text = f.read()
-        res = measure(a.model, text, routes, fmts, a.dtype, a.ctx, a.max_tokens)
+        res = measure(a.model, text, routes, fmts, a.dtype, a.ctx, a.max_tokens, a.chunk)
         res["text"] = a.text
         print(table(res))
         with open(a.json, "w", encoding="utf-8") as f:
@@ -90,7 +96,7 @@ def keep(windows, spill: str) -> list:
 
 
 def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtype: str | None, ctx: int,
-            max_tokens: int) -> dict:
+            max_tokens: int, chunk: int = 0) -> dict:
     import jax
     from infernix_jax.loader import DTYPES, load_model
     from infernix_jax.quant import quality as ql
@@ -113,13 +119,14 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
         """Each window's scored log-probs, one window at a time (a generator)."""
         for w in wins:
             with jax.default_matmul_precision("highest") if route == "lossless" else contextlib.nullcontext():
-                lp = ql.window_logprobs(params, cfg, w, dtype_, impl)
+                lp = ql.window_logprobs(params, cfg, w, dtype_, impl, chunk=chunk if route == "default" else 0)
             yield ql.scored(lp, w).copy()          # (not a view: the window's other rows go)
 
     with tempfile.TemporaryDirectory(prefix="infernix-quality-") as spill:
         t0 = time.perf_counter()
         ref = keep(logprobs(model.params, "lossless", f32, "reference"), spill)
         res = {"model": model.name, "device": jax.devices()[0].device_kind, "ctx": ctx, "windows": len(wins),
+               "default_chunk": chunk,
                "default_dtype": str(dt.__name__),
                "reference": "lossless route, weights as loaded", "rows": []}
         floors = {}

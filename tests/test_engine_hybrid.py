@@ -157,3 +157,11 @@ def test_loop_guard_inside_a_multi_step_decode_recomputes_the_state(hybrid, prom
     assert many == one
     assert eng.scheduler.num_requeued == 3                                    # mid-dispatch in each
     assert_all_released(eng)
+
+
+def test_scoring_a_hybrid_in_pieces_carries_its_state(hybrid, prompts):
+    from infernix_jax.quant.quality import window_logprobs
+    ids = prompts[4]                                   # 150 tokens: across blocks and pieces
+    whole = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference")
+    pieces = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference", chunk=64)
+    np.testing.assert_allclose(pieces, whole, rtol=1e-4, atol=2e-4)   # the chunked delta rule sums in another order

@@ -112,3 +112,14 @@ def test_reference_log_probs_spill_to_disk_past_the_limit(tmp_path, monkeypatch)
     assert all(isinstance(k, np.memmap) for k in kept[1:]) and len(list(tmp_path.iterdir())) == 2
     for k, a in zip(kept, arrays):
         np.testing.assert_array_equal(k, a)
+
+
+def test_scoring_in_pieces_gives_the_whole_window_s_log_probs(smollm):
+    """Pieces of a few tokens continue the pool (and a hybrid's state) from the positions before."""
+    from infernix_jax.quant.quality import window_logprobs
+    ids = smollm.tokenizer.encode("The river Tagus rises in the mountains of eastern Spain and flows west "
+                                  "through Toledo before it reaches the Atlantic at Lisbon.")
+    whole = window_logprobs(smollm.params, smollm.cfg, ids, smollm.dtype, "reference")
+    pieces = window_logprobs(smollm.params, smollm.cfg, ids, smollm.dtype, "reference", chunk=7)
+    assert pieces.shape == whole.shape == (len(ids), smollm.cfg.vocab_size)
+    np.testing.assert_allclose(pieces, whole, atol=2e-4)

@@ -82,19 +82,23 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
 
 
 @partial(jax.jit, static_argnames=("cfg", "attn_impl"))
-def prefill_logprobs(params, cfg: ModelConfig, kv: PagedKV, tokens, block_tables, attn_impl: str = "reference"):
-    """One sequence prefilled from position 0 through the paged path (a fresh pool; hybrids: state
-    slot 0). tokens [T]; block_tables [1, M] -> log-probabilities [T, V] f32 of the next token."""
+def prefill_logprobs(params, cfg: ModelConfig, kv: PagedKV, tokens, block_tables, attn_impl: str = "reference",
+                     start=0):
+    """One sequence's tokens [T] at positions start .. start + T - 1 through the paged path, on top
+    of the positions before start already in the pool (start = 0: a fresh pool; hybrids: state slot
+    0, carried from the previous piece). block_tables [1, M] -> (log-probabilities [T, V] f32 of
+    the next token, the pool): a text scored in pieces of a few rows runs the kernels decode runs."""
     from ..models.hybrid_paged import StateRows
     T, bs = tokens.shape[0], kv.block_size
-    pos = jnp.arange(T, dtype=jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    pos = start + jnp.arange(T, dtype=jnp.int32)
     slots = block_tables[0, pos // bs] * bs + pos % bs
     one = lambda v: jnp.asarray([v], jnp.int32)  # noqa: E731
-    rows = StateRows(one(T), one(1), jnp.zeros((1,), bool), pos[None], one(T), one(0), jnp.ones((1,), bool)) \
-        if cfg.layer_types else None
-    h, _ = forward_paged(params, cfg, tokens, pos, slots, kv, block_tables, one(T), jnp.asarray([0, T], jnp.int32),
-                         attn_impl, rows)
-    return jax.nn.log_softmax(logits_from_hidden(params, cfg, h), axis=-1)
+    rows = StateRows(one(T), one(1), jnp.zeros((1,), bool), jnp.arange(T, dtype=jnp.int32)[None], one(T), one(0),
+                     (start == 0)[None]) if cfg.layer_types else None
+    h, kv = forward_paged(params, cfg, tokens, pos, slots, kv, block_tables, (start + T)[None],
+                          jnp.asarray([0, T], jnp.int32), attn_impl, rows)
+    return jax.nn.log_softmax(logits_from_hidden(params, cfg, h), axis=-1), kv
 
 
 @partial(jax.jit, static_argnames=("cfg",))

@@ -79,17 +79,23 @@ def windows(ids: list[int], ctx: int, max_tokens: int | None) -> list[list[int]]
     return [w for w in out if len(w) >= max(8, ctx // 2)] or ([ids] if len(ids) >= 8 else [])
 
 
-def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_size: int = 16):
-    """Log-probabilities [T, V] (numpy f32) of the next token at every position of ids, from one
-    prefill through the paged path the server runs (a fresh pool)."""
+def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_size: int = 16,
+                    chunk: int = 0):
+    """Log-probabilities [T, V] (numpy f32) of the next token at every position of ids, through the
+    paged path the server runs (a fresh pool): one prefill, or pieces of `chunk` tokens (few rows
+    run the fused quantized matmul, as decode does; a whole window runs prefill's XLA route)."""
     from ..engine.steps import prefill_logprobs
     from ..models.paged import init_paged_kv
     T = len(ids)
     M = -(-T // block_size)
     kv = init_paged_kv(cfg, M + 1, block_size, dtype, state_slots=1)
-    lp = prefill_logprobs(params, cfg, kv, jnp.asarray(ids, jnp.int32), jnp.arange(M, dtype=jnp.int32)[None],
-                          attn_impl)
-    return np.asarray(lp, np.float32)
+    tables = jnp.arange(M, dtype=jnp.int32)[None]
+    step = chunk or T
+    out = []
+    for lo in range(0, T, step):
+        lp, kv = prefill_logprobs(params, cfg, kv, jnp.asarray(ids[lo:lo + step], jnp.int32), tables, attn_impl, lo)
+        out.append(np.asarray(lp, np.float32))
+    return np.concatenate(out)
 
 
 @dataclasses.dataclass
