@@ -16,10 +16,9 @@ from infernix_jax.quant.apply import with_impl
 from infernix_jax.quant.formats import dequantize, nominal_bits
 from infernix_jax.quant.ggml import GGML_FORMATS, from_blocks, random_blocks
 from infernix_jax.weights import ModelLoadError
-from pallas_kernels.quant_matmul import BlockSizes, kernel_args, quant_matmul, unsupported
+from pallas_kernels.quant_matmul import BlockSizes, unsupported
 
 Q = gguf.GGMLQuantizationType
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
 MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
 CASES = [  # (M, N, K, block sizes): a decode row, odd rows with a K split, many rows in one K step
     (1, 192, 512, None),
@@ -63,29 +62,17 @@ def test_repacking_rejects_blocks_of_the_wrong_size():
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("fmt", GGML_FORMATS)
 def test_quant_matmul_reads_gguf_blocks_as_the_reference(fmt, case, dtype, interpret):
+    from test_quant_kernels import assert_matches_reference
     M, N, K, bs = CASES[case]
     q = jax.tree.map(jnp.asarray, from_blocks(fmt, blocks(10 + case, fmt, N, K), (N, K)))
-    x = jax.random.normal(jax.random.PRNGKey(100 + case), (M, K), jnp.float32).astype(dtype)
-    out = quant_matmul(x, kernel_args(q), fmt, q.shape, block_sizes=bs, interpret=interpret)
-    assert out.shape == (M, N) and out.dtype == dtype
-    w = dequantize(q, dtype).astype(jnp.float32)
-    ref = np.asarray(jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision="highest"))
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out).all()
-    err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
-    assert err <= TOL[dtype], err
+    assert_matches_reference(q, M, dtype, bs, interpret, seed=100 + case)
 
 
 @pytest.mark.parametrize("fmt", GGML_FORMATS)
 def test_quant_matmul_on_gguf_blocks_lowers_to_triton(fmt):
-    from jax import export
-    q = jax.tree.map(jnp.asarray, from_blocks(fmt, blocks(3, fmt, 512, 2048), (512, 2048)))
-    for M in (1, 64):
-        f = jax.jit(lambda x, a: quant_matmul(x, a, fmt, q.shape))
-        exp = export.export(f, platforms=["cuda"],
-                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
-        text = exp(jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16), kernel_args(q)).mlir_module()
-        assert "__gpu$xla.gpu.triton" in text
+    from test_quant_kernels import assert_lowers_to_triton
+    assert_lowers_to_triton(jax.tree.map(jnp.asarray, from_blocks(fmt, blocks(3, fmt, 512, 2048), (512, 2048))),
+                            (1, 64))
 
 
 def test_k_quants_need_whole_super_blocks():

@@ -37,10 +37,14 @@ def reference(x, q):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_matmul_matches_the_reference(fmt, case, dtype, interpret):
     M, N, K, bs = CASES[case]
-    q = quantize(weights(case, (N, K)), fmt)
-    x = jax.random.normal(jax.random.PRNGKey(100 + case), (M, K), jnp.float32).astype(dtype)
-    out = quant_matmul(x, kernel_args(q), fmt, q.shape, block_sizes=bs, interpret=interpret)
-    assert out.shape == (M, N) and out.dtype == dtype
+    assert_matches_reference(quantize(weights(case, (N, K)), fmt), M, dtype, bs, interpret, seed=100 + case)
+
+
+def assert_matches_reference(q, M: int, dtype, bs, interpret: bool, seed: int):
+    """The kernel on q for M fresh random rows in dtype, within TOL[dtype] of the reference."""
+    x = jax.random.normal(jax.random.PRNGKey(seed), (M, q.shape[1]), jnp.float32).astype(dtype)
+    out = quant_matmul(x, kernel_args(q), q.fmt, q.shape, block_sizes=bs, interpret=interpret)
+    assert out.shape == (M, q.shape[0]) and out.dtype == dtype
     out, ref = np.asarray(out, np.float32), np.asarray(reference(x, q))
     assert np.isfinite(out).all()
     err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
@@ -51,13 +55,17 @@ def test_quant_matmul_matches_the_reference(fmt, case, dtype, interpret):
 def test_quant_matmul_lowers_to_triton_for_the_gpu(fmt):
     """Pallas's lowering to Triton runs on the CPU: decode and prefill tiles of a qwen3-8b
     projection lower without error (the GPU compiles this IR; tests marked gpu run it)."""
+    assert_lowers_to_triton(quantize(weights(9, (1024, 4096)), fmt), (1, 64, 4096))
+
+
+def assert_lowers_to_triton(q, rows):
+    """The kernel on q for each row count in rows, exported for CUDA from the CPU: its Triton call."""
     from jax import export
-    q = quantize(weights(9, (1024, 4096)), fmt)
-    for M in (1, 64, 4096):
-        f = jax.jit(lambda x, a: quant_matmul(x, a, fmt, q.shape))
+    for M in rows:
+        f = jax.jit(lambda x, a: quant_matmul(x, a, q.fmt, q.shape))
         exp = export.export(f, platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
-        text = exp(jax.ShapeDtypeStruct((M, 4096), jnp.bfloat16), kernel_args(q)).mlir_module()
+        text = exp(jax.ShapeDtypeStruct((M, q.shape[1]), jnp.bfloat16), kernel_args(q)).mlir_module()
         assert "__gpu$xla.gpu.triton" in text
 
 
