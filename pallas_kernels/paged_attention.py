@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import kv_quant
+
 
 def write_kv(k_pool, v_pool, k, v, slots):
     """k, v [N, nKV, hd] into the pools at flat slot ids [N] (block * bs + offset); ids out of range
@@ -25,20 +27,32 @@ def write_kv(k_pool, v_pool, k, v, slots):
     return kp, vp
 
 
-def _gather_seq(pool, block_tables):
-    """pool [nKV, P, bs, hd], block_tables [B, M] -> [B, M * bs, nKV, hd]."""
-    nKV, _, bs, hd = pool.shape
+def _gather_seq(pool, block_tables, scale=None, fmt: str = "", dtype=None):
+    """pool [nKV, P, bs, hd], block_tables [B, M] -> [B, M * bs, nKV, hd]. A quantized pool
+    (kv_quant: codes and scale [nKV, P]) comes back dequantized to dtype."""
+    nKV, _, bs, _ = pool.shape
     B, M = block_tables.shape
-    g = pool[:, block_tables]                                           # [nKV, B, M, bs, hd]
-    return g.reshape(nKV, B, M * bs, hd).transpose(1, 2, 0, 3)
+    if scale is None:
+        g = pool[:, block_tables]                                       # [nKV, B, M, bs, hd]
+    else:
+        g = kv_quant.gather_blocks(pool, scale, block_tables, fmt).astype(dtype)
+    return g.reshape(nKV, B, M * bs, g.shape[-1]).transpose(1, 2, 0, 3)
 
 
-def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, scale=None):
-    """q [B, nH, hd] -> [B, nH, hd]; each query sees its sequence's first kv_lens[b] slots."""
+def _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, dtype):
+    """Each sequence's keys and values [B, S, nKV, hd] (dequantized where the pools are quantized)."""
+    fk, fv = fmts or ("", "")
+    return (_gather_seq(k_pool, block_tables, k_scale, fk, dtype), _gather_seq(v_pool, block_tables, v_scale, fv, dtype))
+
+
+def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, scale=None, k_scale=None,
+                                     v_scale=None, fmts=None):
+    """q [B, nH, hd] -> [B, nH, hd]; each query sees its sequence's first kv_lens[b] slots.
+    Quantized pools (kv_quant) come with k_scale, v_scale [nKV, P] and their (key, value) formats."""
     B, nH, hd = q.shape
     nKV = k_pool.shape[0]
     scale = hd ** -0.5 if scale is None else scale
-    K, V = _gather_seq(k_pool, block_tables), _gather_seq(v_pool, block_tables)   # [B, S, nKV, hd]
+    K, V = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
     qg = q.reshape(B, nKV, nH // nKV, hd)
     s = jnp.einsum("bkgd,bskd->bkgs", qg, K, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(K.shape[1])[None, :] < kv_lens[:, None]                # [B, S]
@@ -48,9 +62,11 @@ def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, s
     return o.reshape(B, nH, hd).astype(q.dtype)
 
 
-def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale=None):
+def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale=None, k_scale=None,
+                                     v_scale=None, fmts=None):
     """q [N, nH, hd] -> [N, nH, hd], causal within each sequence. Rows past cu_q[B] are padding
-    (their output is zero). Costs B x N x S scores: a reference, not a fast path."""
+    (their output is zero). Costs B x N x S scores: a reference, not a fast path. Quantized pools:
+    as paged_decode_attention_reference."""
     N, nH, hd = q.shape
     B = kv_lens.shape[0]
     nKV = k_pool.shape[0]
@@ -60,7 +76,7 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, c
     idx = cu_q[:-1, None] + t[None, :]                                             # [B, N]
     valid = t[None, :] < q_lens[:, None]
     qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, N, nKV, nH // nKV, hd)              # [B, N, nKV, G, hd]
-    K, V = _gather_seq(k_pool, block_tables), _gather_seq(v_pool, block_tables)   # [B, S, nKV, hd]
+    K, V = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
     S = K.shape[1]
     pos = (kv_lens - q_lens)[:, None] + t[None, :]                                 # [B, N]
     s = jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32) * scale

@@ -82,8 +82,8 @@ def _gdn_paged(cfg: ModelConfig, p, x, conv_pool, ssm_pool, rows: StateRows, fns
 def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
                          cu_q, attn_impl: str, rows: StateRows):
     """models.paged.forward_paged for hybrids: tokens, positions, slots [N] -> hidden [N, H], the cache."""
-    new_k, new_v, conv, ssm = list(kv.k), list(kv.v), list(kv.conv), list(kv.ssm)
-    attend = paged_attend(new_k, new_v, slots, block_tables, kv_lens, cu_q, attn_impl)
+    conv, ssm = list(kv.conv), list(kv.ssm)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl)
     fns = _gdn_fns(attn_impl)
     eps = cfg.rms_norm_eps
     x = params["embed"][tokens][None]                                  # [1, N, H]
@@ -100,7 +100,7 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
             x = x + h
             x = x + hybrid_mlp(cfg, p, i, rms_norm_1p(x, p["mlp_norm"], eps))
     x = rms_norm_1p(x, params["final_norm"], eps)
-    return x[0], kv.replace(k=tuple(new_k), v=tuple(new_v), conv=tuple(conv), ssm=tuple(ssm))
+    return x[0], kv.replace(**pools(), conv=tuple(conv), ssm=tuple(ssm))
 
 
 # ---- snapshots -----------------------------------------------------------------------------------

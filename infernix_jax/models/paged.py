@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels import kv_quant as kq
 from pallas_kernels import paged_attention as pa
 
 from ..config import ModelConfig
@@ -23,6 +24,11 @@ class PagedKV:
     v: tuple
     conv: tuple = ()
     ssm: tuple = ()
+    # --kv-dtype (pallas_kernels/kv_quant.py): k[j], v[j] hold codes, k_scale[j], v_scale[j] [nKV, P]
+    # one f32 scale per head and block; "" (the model dtype): no scales
+    k_scale: tuple = ()
+    v_scale: tuple = ()
+    kv_dtype: str = struct.field(pytree_node=False, default="")
 
     @property
     def num_blocks(self) -> int:
@@ -37,9 +43,16 @@ def num_attention_layers(cfg: ModelConfig) -> int:
     return sum(not cfg.is_linear_layer(i) for i in range(cfg.num_layers))
 
 
-def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, state_slots: int = 0) -> PagedKV:
+# --kv-dtype -> (key format, value format) of kv_quant
+KV_DTYPES = {"int8": ("int8", "int8"), "fp8": ("fp8", "fp8"), "k8v4": ("int8", "int4")}
+
+
+def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, state_slots: int = 0,
+                  kv_dtype: str = "") -> PagedKV:
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     n_attn = num_attention_layers(cfg)
+    if kv_dtype and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
     conv, ssm = (), ()
     if cfg.layer_types:
         from .hybrid import state_shapes
@@ -47,12 +60,23 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
         n_lin = cfg.num_layers - n_attn
         conv = tuple(jnp.zeros(cs, cd) for _ in range(n_lin))
         ssm = tuple(jnp.zeros(ss, sd) for _ in range(n_lin))
+    if kv_dtype:
+        fk, fv = KV_DTYPES[kv_dtype]
+        pool = lambda f: jnp.zeros((*shape[:3], kq.code_dims(f, shape[3])), kq.code_dtype(f))  # noqa: E731
+        scales = lambda: tuple(jnp.zeros(shape[:2], jnp.float32) for _ in range(n_attn))      # noqa: E731
+        return PagedKV(k=tuple(pool(fk) for _ in range(n_attn)), v=tuple(pool(fv) for _ in range(n_attn)),
+                       conv=conv, ssm=ssm, k_scale=scales(), v_scale=scales(), kv_dtype=kv_dtype)
     return PagedKV(k=tuple(jnp.zeros(shape, dtype) for _ in range(n_attn)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(n_attn)), conv=conv, ssm=ssm)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    return 2 * num_attention_layers(cfg) * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_token(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> float:
+    """K and V bytes one token takes in the pool (quantized: codes plus its share of the block scales)."""
+    per = num_attention_layers(cfg) * cfg.num_kv_heads
+    if not kv_dtype:
+        return 2 * per * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return per * sum(kq.code_dims(f, cfg.head_dim) * jnp.dtype(kq.code_dtype(f)).itemsize + 4 / block_size
+                     for f in KV_DTYPES[kv_dtype])
 
 
 def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
@@ -65,8 +89,8 @@ def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
                        for s, d in state_shapes(cfg, 1, dtype))
 
 
-def _attention_fns(impl: str):
-    if impl in ("pallas", "pallas_interpret"):
+def _attention_fns(impl: str, quantized: bool = False):
+    if impl in ("pallas", "pallas_interpret") and not quantized:  # (the kernels read no quantized pools yet)
         from functools import partial
         from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk
         interpret = impl == "pallas_interpret"
@@ -75,19 +99,31 @@ def _attention_fns(impl: str):
     return pa.paged_decode_attention_reference, pa.ragged_paged_attention_reference
 
 
-def paged_attend(new_k: list, new_v: list, slots, block_tables, kv_lens, cu_q, attn_impl: str):
-    """-> attend(j, q, k, v): writes attention layer j's k/v [1, N, nKV, hd] into new_k[j] / new_v[j]
-    at their slots and attends q [1, N, nH, hd] (ragged with cu_q, one token per row without)."""
-    decode_fn, ragged_fn = _attention_fns(attn_impl)
+def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str):
+    """-> (attend, pools): attend(j, q, k, v) writes attention layer j's k/v [1, N, nKV, hd] into the
+    pool at their slots and attends q [1, N, nH, hd] (ragged with cu_q, one token per row without);
+    pools() gives the updated k, v (and scales) as PagedKV fields."""
+    decode_fn, ragged_fn = _attention_fns(attn_impl, bool(kv.kv_dtype))
+    k_pool, v_pool, k_scale, v_scale = list(kv.k), list(kv.v), list(kv.k_scale), list(kv.v_scale)
 
     def attend(j, q, k, v):
-        new_k[j], new_v[j] = pa.write_kv(new_k[j], new_v[j], k[0], v[0], slots)
-        if cu_q is None:
-            o = decode_fn(q[0], new_k[j], new_v[j], block_tables, kv_lens)
+        if kv.kv_dtype:
+            fk, fv = KV_DTYPES[kv.kv_dtype]
+            k_pool[j], k_scale[j] = kq.write(k_pool[j], k_scale[j], k[0], slots, fk)
+            v_pool[j], v_scale[j] = kq.write(v_pool[j], v_scale[j], v[0], slots, fv)
+            extra = dict(k_scale=k_scale[j], v_scale=v_scale[j], fmts=(fk, fv))
         else:
-            o = ragged_fn(q[0], new_k[j], new_v[j], block_tables, kv_lens, cu_q)
+            k_pool[j], v_pool[j] = pa.write_kv(k_pool[j], v_pool[j], k[0], v[0], slots)
+            extra = {}
+        if cu_q is None:
+            o = decode_fn(q[0], k_pool[j], v_pool[j], block_tables, kv_lens, **extra)
+        else:
+            o = ragged_fn(q[0], k_pool[j], v_pool[j], block_tables, kv_lens, cu_q, **extra)
         return o[None]
-    return attend
+
+    def pools() -> dict:
+        return dict(k=tuple(k_pool), v=tuple(v_pool), k_scale=tuple(k_scale), v_scale=tuple(v_scale))
+    return attend, pools
 
 
 def forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
@@ -100,7 +136,6 @@ def forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedK
         from .hybrid_paged import hybrid_forward_paged
         return hybrid_forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q,
                                     attn_impl, rows)
-    new_k, new_v = list(kv.k), list(kv.v)
-    attend = paged_attend(new_k, new_v, slots, block_tables, kv_lens, cu_q, attn_impl)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl)
     h = decoder(params, cfg, tokens[None], positions[None], attend)
-    return h[0], kv.replace(k=tuple(new_k), v=tuple(new_v))
+    return h[0], kv.replace(**pools())

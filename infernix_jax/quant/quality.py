@@ -80,7 +80,7 @@ def windows(ids: list[int], ctx: int, max_tokens: int | None) -> list[list[int]]
 
 
 def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_size: int = 16,
-                    chunk: int = 0):
+                    chunk: int = 0, kv_dtype: str = ""):
     """Log-probabilities [T, V] (numpy f32) of the next token at every position of ids, through the
     paged path the server runs (a fresh pool): one prefill, or pieces of `chunk` tokens (few rows
     run the fused quantized matmul, as decode does; a whole window runs prefill's XLA route)."""
@@ -88,7 +88,7 @@ def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_si
     from ..models.paged import init_paged_kv
     T = len(ids)
     M = -(-T // block_size)
-    kv = init_paged_kv(cfg, M + 1, block_size, dtype, state_slots=1)
+    kv = init_paged_kv(cfg, M + 1, block_size, dtype, state_slots=1, kv_dtype=kv_dtype)
     tables = jnp.arange(M, dtype=jnp.int32)[None]
     step = chunk or T
     out = []
