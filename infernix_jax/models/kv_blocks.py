@@ -6,7 +6,9 @@ Blocks move in pieces of a power-of-two number of blocks, at most CHUNK: a read 
 split by n's binary digits (300 = 256 + 32 + 8 + 4), so a piece kept in host memory holds no
 padding, and a long-running server compiles a handful of shapes. A piece is block-major
 [n, L, nKV, bs, hd], so one block is one contiguous row of it. Padding ids on writes point past
-the pool and are dropped."""
+the pool and are dropped. A quantized pool's block (--kv-dtype) travels as bytes, [n, L, nKV, R]
+uint8 with R = its codes' bytes and then its f32 scale's 4: the tiers and the cache file keep
+whatever arrays they are given, so the scale moves with its block without their knowing."""
 from __future__ import annotations
 
 from functools import partial
@@ -35,10 +37,28 @@ def exact_pieces(n: int):
         lo += size
 
 
+def _to_bytes(codes, scale):
+    """codes [nKV, n, bs, hd'], scale [nKV, n] -> [nKV, n, R] uint8 (codes' bytes, then the scale's)."""
+    nKV, n = scale.shape
+    c = jax.lax.bitcast_convert_type(codes, jnp.uint8)                                 # 1-byte codes
+    s = jax.lax.bitcast_convert_type(scale, jnp.uint8)                                 # [nKV, n, 4]
+    return jnp.concatenate([c.reshape(nKV, n, -1), s], axis=-1)
+
+
+def _from_bytes(b, like):
+    """[nKV, n, R] uint8 -> (codes [nKV, n, bs, hd'] in like's dtype, scale [nKV, n] f32); like: the pool."""
+    nKV, n, _ = b.shape
+    codes = jax.lax.bitcast_convert_type(b[..., :-4].reshape(nKV, n, *like.shape[2:]), like.dtype)
+    return codes, jax.lax.bitcast_convert_type(b[..., -4:], jnp.float32)
+
+
 @jax.jit
-def _gather(k, v, ids):
-    # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]
-    return tuple(jnp.stack([x[:, ids] for x in a], 1).transpose(2, 1, 0, 3, 4) for a in (k, v))
+def _gather(kv: PagedKV, ids):
+    # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]; quantized: [n, L, nKV, R] bytes
+    if kv.kv_dtype:
+        return tuple(jnp.stack([_to_bytes(x[:, ids], s[:, ids]) for x, s in zip(a, sc)], 1).transpose(2, 1, 0, 3)
+                     for a, sc in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)))
+    return tuple(jnp.stack([x[:, ids] for x in a], 1).transpose(2, 1, 0, 3, 4) for a in (kv.k, kv.v))
 
 
 def read_blocks(kv: PagedKV, ids: list[int]) -> list:
@@ -46,7 +66,7 @@ def read_blocks(kv: PagedKV, ids: list[int]) -> list:
     memory. The copies are started here and overlap the device's next work."""
     out = []
     for lo, hi in exact_pieces(len(ids)):
-        k, v = _gather(kv.k, kv.v, np.asarray(ids[lo:hi], np.int32))
+        k, v = _gather(kv, np.asarray(ids[lo:hi], np.int32))
         k, v = to_host((k, v))
         out.append((k, v, lo, hi))
     return out
@@ -55,6 +75,14 @@ def read_blocks(kv: PagedKV, ids: list[int]) -> list:
 @partial(jax.jit, donate_argnames=("kv",))
 def _scatter(kv: PagedKV, k, v, rows, dst):
     # rows of k, v [n, L, nKV, bs, hd] -> layer j's [nKV, P, bs, hd] at blocks dst (past P: dropped)
+    if kv.kv_dtype:
+        def put_q(pool, scales, new):
+            out = [_from_bytes(new[rows][:, j].swapaxes(0, 1), x) for j, x in enumerate(pool)]
+            return (tuple(x.at[:, dst].set(c, mode="drop") for x, (c, _) in zip(pool, out)),
+                    tuple(s.at[:, dst].set(sc, mode="drop") for s, (_, sc) in zip(scales, out)))
+        (kk, ks), (vv, vs) = put_q(kv.k, kv.k_scale, k), put_q(kv.v, kv.v_scale, v)
+        return kv.replace(k=kk, v=vv, k_scale=ks, v_scale=vs)
+
     def put(pool, new):
         new = new[rows]
         return tuple(x.at[:, dst].set(new[:, j].swapaxes(0, 1).astype(x.dtype), mode="drop")
@@ -91,8 +119,8 @@ def stack_pieces(blocks: list) -> list:
 
 @partial(jax.jit, donate_argnames=("kv",))
 def _copy(kv: PagedKV, src, dst):
-    return kv.replace(k=tuple(x.at[:, dst].set(x[:, src], mode="drop") for x in kv.k),
-                      v=tuple(x.at[:, dst].set(x[:, src], mode="drop") for x in kv.v))
+    move = lambda arrays: tuple(x.at[:, dst].set(x[:, src], mode="drop") for x in arrays)  # noqa: E731
+    return kv.replace(k=move(kv.k), v=move(kv.v), k_scale=move(kv.k_scale), v_scale=move(kv.v_scale))
 
 
 def copy_blocks(kv: PagedKV, pairs: list[tuple[int, int]]) -> PagedKV:
