@@ -79,6 +79,10 @@ def add_engine_args(p):
     g.add_argument("--memory-fraction", type=float, default=0.9,
                    help="share of device memory for weights + KV pool + workspace (default %(default)s)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    g.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4"],
+                   help="store K and V quantized, one scale per head and block (k8v4: 8-bit keys, 4-bit values); "
+                        "default: the model dtype. In progress: attention reads them through the reference "
+                        "(jnp) path, and the SSD tier and --prefix-cache-file do not take them yet")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step; longer prompts are prefilled in chunks (default %(default)s)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
@@ -147,7 +151,7 @@ def engine_kwargs(a) -> dict:
                 prefix_cache=not a.no_prefix_cache, prefix_cache_ram_gib=a.prefix_cache_ram_gib,
                 ram_resize=a.ram_resize, state_snapshots=a.state_snapshots, ssd_context_gib=a.ssd_context_gib,
                 ssd_context_dir=a.ssd_context_dir, ssd_gib_per_hour=a.ssd_context_gib_per_hour,
-                prefix_cache_file=a.prefix_cache_file, fair_turn_s=a.fair_turn_s,
+                prefix_cache_file=a.prefix_cache_file, fair_turn_s=a.fair_turn_s, kv_dtype=a.kv_dtype or "",
                 memory_fraction=a.memory_fraction,
                 block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                 chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl)

@@ -70,6 +70,7 @@ def main(argv=None) -> int:
                              max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
                              kv_cache_gib=kw["kv_cache_gib"], memory_fraction=kw["memory_fraction"],
                              max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=fmt,
+                             kv_dtype=kw["kv_dtype"],
                              weights_bytes=planned_gguf_bytes(a.model, DTYPES[a.dtype]) if fmt == "gguf" else None)
             print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype}"
                   f"{', weights ' + fmt if fmt else ''})")

@@ -69,3 +69,57 @@ def test_padding_slots_are_dropped_and_untouched_blocks_keep_their_codes():
     others = [b for b in range(P) if b != TABLE[0]]
     np.testing.assert_array_equal(np.asarray(new_pool)[:, others], np.asarray(pool)[:, others])
     np.testing.assert_array_equal(np.asarray(new_scale)[:, others], np.asarray(scale)[:, others])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "k8v4"])
+def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtype):
+    import dataclasses
+    from infernix_jax.models import kv_blocks
+    from infernix_jax.models.paged import init_paged_kv
+    cfg = dataclasses.replace(smollm.cfg, num_layers=2)
+    rng = np.random.default_rng(4)
+    kv = init_paged_kv(cfg, 8, bs, jnp.float32, kv_dtype=kv_dtype)
+    rand = lambda arrays, f: tuple(f(x) for x in arrays)                        # noqa: E731
+    kv = kv.replace(k=rand(kv.k, lambda x: jnp.asarray(rng.integers(0, 100, x.shape)).astype(x.dtype)),
+                    v=rand(kv.v, lambda x: jnp.asarray(rng.integers(0, 100, x.shape)).astype(x.dtype)),
+                    k_scale=rand(kv.k_scale, lambda x: jnp.asarray(rng.uniform(size=x.shape), jnp.float32)),
+                    v_scale=rand(kv.v_scale, lambda x: jnp.asarray(rng.uniform(size=x.shape), jnp.float32)))
+    fresh = init_paged_kv(cfg, 8, bs, jnp.float32, kv_dtype=kv_dtype)
+    for k, v, lo, hi in kv_blocks.read_blocks(kv, [1, 2, 5]):
+        assert np.asarray(k).dtype == np.uint8                                   # codes and scale as bytes
+        fresh = kv_blocks.write_rows(fresh, np.asarray(k), np.asarray(v), list(range(hi - lo)), [6, 7, 0][lo:hi])
+    copied = kv_blocks.copy_blocks(kv, [(1, 3)])
+    bits = lambda a: np.asarray(a).view(np.uint8)                                # noqa: E731
+    for a, b, c in zip(kv.k + kv.v + kv.k_scale + kv.v_scale, fresh.k + fresh.v + fresh.k_scale + fresh.v_scale,
+                       copied.k + copied.v + copied.k_scale + copied.v_scale):
+        np.testing.assert_array_equal(bits(a[:, [1, 2, 5]]), bits(b[:, [6, 7, 0]]))
+        np.testing.assert_array_equal(bits(c[:, 3]), bits(a[:, 1]))
+
+
+@pytest.mark.parametrize("kv_dtype,max_kl", [("int8", 0.01), ("fp8", 0.03), ("k8v4", 0.3)])
+def test_quantized_kv_costs_little_against_the_model_dtype(smollm, kv_dtype, max_kl):
+    from infernix_jax.quant.quality import compare, scored, window_logprobs
+    text = ("The river Tagus rises in the mountains of eastern Spain and flows west through Toledo before "
+            "it reaches the Atlantic at Lisbon, where its estuary forms one of the largest natural harbours "
+            "of Europe. Its basin drains much of the central plateau, and its water feeds the cities of both "
+            "countries through a chain of dams and canals built over the last century.")
+    ids = smollm.tokenizer.encode(text)
+    ref = window_logprobs(smollm.params, smollm.cfg, ids, smollm.dtype, "reference")
+    got = window_logprobs(smollm.params, smollm.cfg, ids, smollm.dtype, "reference", chunk=16, kv_dtype=kv_dtype)
+    st = compare([scored(ref, ids)], [scored(got, ids)], [ids])
+    assert 0 < st.mean_kl <= max_kl, st
+
+
+def test_an_engine_on_quantized_kv_is_deterministic_and_planned_smaller(smollm):
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
+    p = SamplingParams(max_tokens=12, temperature=0)
+    e = Engine(smollm, max_num_seqs=2, max_model_len=256, kv_dtype="int8", prefix_cache=False)
+    a, b = e.generate([Request(ids, p)])[0], e.generate([Request(ids, p)])[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+    plain = Engine(smollm, max_num_seqs=2, max_model_len=256, prefix_cache=False)
+    assert e.plan.kv_bytes_per_token < 0.3 * plain.plan.kv_bytes_per_token          # f32 model: 4 -> ~1 byte
+    with pytest.raises(ValueError, match="unknown --kv-dtype"):
+        Engine(smollm, max_num_seqs=1, max_model_len=64, kv_dtype="int3")
+    with pytest.raises(ValueError, match="SSD tier"):
+        Engine(smollm, max_num_seqs=1, max_model_len=64, kv_dtype="int8", prefix_cache_file="/tmp/x.npz")

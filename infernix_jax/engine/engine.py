@@ -59,7 +59,14 @@ class Engine:
                  chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None,
                  state_snapshots: int | None = None, prefix_cache: bool = True, prefix_cache_ram_gib: float = 0.0,
                  ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
-                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0):
+                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
+                 kv_dtype: str = ""):
+        from ..models.paged import KV_DTYPES
+        if kv_dtype and kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        if kv_dtype and (ssd_context_gib > 0 or prefix_cache_file):
+            raise ValueError("--kv-dtype does not work with the SSD tier or --prefix-cache-file yet (issue 7)")
+        self.kv_dtype = kv_dtype
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer
@@ -71,7 +78,7 @@ class Engine:
                                           kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
                                           max_num_batched_tokens=max_num_batched_tokens,
                                           weights_format=model.weights_format,
-                                          weights_bytes=params_bytes(model.params))
+                                          weights_bytes=params_bytes(model.params), kv_dtype=kv_dtype)
         # Prefix keys start from a root that names what the blocks' contents depend on.
         dtype_name = np.dtype(model.dtype).name
         weights = cache_file.weights_identity(model.path) or model.name      # random weights: the name
@@ -79,8 +86,8 @@ class Engine:
             weights += f"|{model.weights_format}"
         # the matmul precision too: --lossless (full f32) and TF32 f32 matmuls leave different KV
         precision = jax.config.jax_default_matmul_precision or "default"
-        self.fingerprint = cache_file.fingerprint(f"{weights}|{precision}|{model.cfg}", dtype_name, dtype_name, block_size,
-                                                  jax.devices()[0].device_kind)
+        self.fingerprint = cache_file.fingerprint(f"{weights}|{precision}|{model.cfg}", dtype_name,
+                                                  kv_dtype or dtype_name, block_size, jax.devices()[0].device_kind)
         self.bm = BlockManager(self.plan.num_blocks, block_size, root=root_key(json.dumps(self.fingerprint)),
                                cache=prefix_cache)
         steps = decode_steps if decode_steps is not None else (8 if on_gpu else 4)
@@ -106,9 +113,12 @@ class Engine:
                                    cache=self.cache, turn_s=fair_turn_s)
         if self.snapshots is not None:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
-        self.runner = Runner(model, self.plan.num_blocks, block_size,
-                             attn_impl or ("pallas" if on_gpu else "reference"), state_slots=max_num_seqs,
-                             max_context=self.max_context)
+        impl = attn_impl or ("pallas" if on_gpu else "reference")
+        if kv_dtype and impl != "reference":
+            log.warning("--kv-dtype %s: attention runs the reference (jnp) path: the Pallas kernels do not read "
+                        "quantized KV yet (issue 7)", kv_dtype)
+        self.runner = Runner(model, self.plan.num_blocks, block_size, impl, state_slots=max_num_seqs,
+                             max_context=self.max_context, kv_dtype=kv_dtype)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids

@@ -125,7 +125,7 @@ class HostTier:
         for lo, hi in exact_pieces(len(blocks)):        # power-of-two pieces, as kv_blocks moves them
             part = blocks[lo:hi]
             k, v = put_host((np.stack([b[3] for b in part]), np.stack([b[4] for b in part])))
-            self._keep(Piece(k, v), [(b[0], b[1], tuple(b[2])) for b in part], part[0][3].nbytes * 2)
+            self._keep(Piece(k, v), [(b[0], b[1], tuple(b[2])) for b in part], part[0][3].nbytes + part[0][4].nbytes)
 
     def _keep(self, piece: Piece, rows: list, block_bytes: int) -> None:
         piece.nbytes = len(rows) * block_bytes

@@ -71,14 +71,14 @@ def params_bytes(params) -> int:
 def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int, block_size: int = 16,
               kv_cache_gib: float | None = None, memory_fraction: float = 0.9,
               max_num_batched_tokens: int = 2048, weights_format: str = "",
-              weights_bytes: int | None = None) -> MemoryPlan:
+              weights_bytes: int | None = None, kv_dtype: str = "") -> MemoryPlan:
     """weights_bytes: the weights' real size where known (loaded params, or a GGUF file's blocks);
     else planned from the config and weights_format."""
     from ..quant.apply import planned_bytes
     itemsize = jnp.dtype(dtype).itemsize
     weights = weights_bytes if weights_bytes is not None else \
         planned_bytes(abstract_params(cfg, dtype), itemsize, weights_format)
-    per_tok = kv_bytes_per_token(cfg, dtype)
+    per_tok = kv_bytes_per_token(cfg, dtype, kv_dtype, block_size)
     # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)
     workspace = 6 * max_num_batched_tokens * widest * 4 + 4 * max_num_seqs * cfg.vocab_size * 4

@@ -25,13 +25,14 @@ STOP_WIDTH = 8        # stop token ids per row the device checks (a fixed width:
 
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0,
-                 max_context: int = 0):
+                 max_context: int = 0, kv_dtype: str = ""):
         self.params = with_impl(model.params, attn_impl)     # quantized weights: the kernels of this impl
         self.cfg = model.cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.attn_impl = attn_impl
         self.dtype = model.dtype
+        self.kv_dtype = kv_dtype
         self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
         self.hybrid = bool(self.cfg.layer_types)
         self.state_slots = state_slots if self.hybrid else 0
@@ -39,7 +40,8 @@ class Runner:
         self.reset_kv()
 
     def reset_kv(self) -> None:
-        self.kv: PagedKV = init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots)
+        self.kv: PagedKV = init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots,
+                                         self.kv_dtype)
 
     def _state_rows(self, plan, B: int, N: int) -> StateRows | None:
         """Hybrids: the two layouts of the linear layers (one-token rows, several-token rows)."""
