@@ -88,9 +88,10 @@ def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtyp
     for k, v, lo, hi in kv_blocks.read_blocks(kv, [1, 2, 5]):
         assert np.asarray(k).dtype == np.uint8                                   # codes and scale as bytes
         fresh = kv_blocks.write_rows(fresh, np.asarray(k), np.asarray(v), list(range(hi - lo)), [6, 7, 0][lo:hi])
-    copied = kv_blocks.copy_blocks(kv, [(1, 3)])
-    bits = lambda a: np.asarray(a).view(np.uint8)                                # noqa: E731
-    for a, b, c in zip(kv.k + kv.v + kv.k_scale + kv.v_scale, fresh.k + fresh.v + fresh.k_scale + fresh.v_scale,
+    bits = lambda a: np.ascontiguousarray(a).view(np.uint8)                      # noqa: E731
+    before = [np.asarray(a) for a in kv.k + kv.v + kv.k_scale + kv.v_scale]
+    copied = kv_blocks.copy_blocks(kv, [(1, 3)])                                 # (kv is donated)
+    for a, b, c in zip(before, fresh.k + fresh.v + fresh.k_scale + fresh.v_scale,
                        copied.k + copied.v + copied.k_scale + copied.v_scale):
         np.testing.assert_array_equal(bits(a[:, [1, 2, 5]]), bits(b[:, [6, 7, 0]]))
         np.testing.assert_array_equal(bits(c[:, 3]), bits(a[:, 1]))
