@@ -124,3 +124,32 @@ def test_an_engine_on_quantized_kv_is_deterministic_and_planned_smaller(smollm):
         Engine(smollm, max_num_seqs=1, max_model_len=64, kv_dtype="int3")
     with pytest.raises(ValueError, match="SSD tier"):
         Engine(smollm, max_num_seqs=1, max_model_len=64, kv_dtype="int8", prefix_cache_file="/tmp/x.npz")
+
+
+def test_k8v4_blocks_of_two_sizes_stack_into_pieces():
+    """K8V4's key and value rows differ in size: the RAM tier's pieces keep each its own."""
+    from infernix_jax.models import kv_blocks
+    rng = np.random.default_rng(5)
+    blocks = [(rng.integers(0, 255, (2, 3, 1028), dtype=np.uint8), rng.integers(0, 255, (2, 3, 516), dtype=np.uint8))
+              for _ in range(3)]
+    (k, v, lo, hi), = kv_blocks.stack_pieces(blocks)
+    assert (lo, hi) == (0, 3) and k.shape == (4, 2, 3, 1028) and v.shape == (4, 2, 3, 516)
+    for i, (bk, bv) in enumerate(blocks):
+        np.testing.assert_array_equal(k[i], bk)
+        np.testing.assert_array_equal(v[i], bv)
+
+
+def test_k8v4_serves_prefix_hits_from_the_ram_tier(smollm):
+    """Evicted blocks go to the RAM tier as bytes and come back for a request sharing the prefix."""
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    e = Engine(smollm, max_num_seqs=1, max_model_len=224, kv_dtype="k8v4", kv_cache_gib=0.0024,
+               prefix_cache_ram_gib=0.05)
+    assert e.plan.block_bytes == 30 * 3 * (16 * 64 + 4 + 16 * 32 + 4)
+    rng = np.random.default_rng(6)
+    shared = [int(t) for t in rng.integers(10, 40000, 120)]
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = e.generate([Request(shared + [11], p)])[0]
+    e.generate([Request([int(t) for t in rng.integers(10, 40000, 200)], p)])       # evicts to the RAM tier
+    again = e.generate([Request(shared + [11], p)])[0]
+    assert e.cache.stats["ram"] > 0 and again.cached_tokens >= 112, (e.cache.stats, again.cached_tokens)
+    assert len(again.token_ids) == len(first.token_ids) == 4

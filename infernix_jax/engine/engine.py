@@ -153,7 +153,7 @@ class Engine:
             ssd = SSDTier(ssd_dir, int(ssd_gib * GiB), ssd_per_hour, block_shape=shape, dtype=self.model.dtype,
                           state_layout=layout)
         cache = PrefixCache(self.bm, host, self.snapshots, self.hybrid,
-                            block_bytes=self.plan.kv_bytes_per_token * bs, ssd=ssd)
+                            block_bytes=self.plan.block_bytes, ssd=ssd)
         self.cache_file = path
         if path:
             n = cache.load(path, self.fingerprint, self.model.dtype)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..models.paged import kv_bytes_per_token, state_bytes_per_seq
+from ..models.paged import kv_bytes_per_block, state_bytes_per_seq
 from ..models.params import abstract_params
 
 GiB = 1 << 30
@@ -20,7 +20,7 @@ HYBRID_PREFILL_ROWS = 4       # hybrids: rows feeding several tokens in one step
 @dataclasses.dataclass
 class MemoryPlan:
     weights_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: float
     block_size: int
     num_blocks: int
     workspace_bytes: int
@@ -28,10 +28,11 @@ class MemoryPlan:
     max_num_seqs: int
     device_bytes: int | None
     state_bytes: int = 0          # hybrids: the state pool (conv + SSM states of max_num_seqs sequences)
+    block_bytes: int = 0          # K and V bytes of one block (exact; kv_bytes_per_token may be fractional)
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+        return self.num_blocks * self.block_bytes
 
     @property
     def max_tokens_in_cache(self) -> int:
@@ -78,7 +79,8 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
     itemsize = jnp.dtype(dtype).itemsize
     weights = weights_bytes if weights_bytes is not None else \
         planned_bytes(abstract_params(cfg, dtype), itemsize, weights_format)
-    per_tok = kv_bytes_per_token(cfg, dtype, kv_dtype, block_size)
+    block_bytes = kv_bytes_per_block(cfg, dtype, kv_dtype, block_size)
+    per_tok = block_bytes / block_size
     # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)
     workspace = 6 * max_num_batched_tokens * widest * 4 + 4 * max_num_seqs * cfg.vocab_size * 4
@@ -94,10 +96,10 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
     else:  # CPU: every sequence at full length (plus decode look-ahead), capped at 1 GiB
         per_seq = -(-(max_model_len + 16) // block_size) * block_size
         pool = min(GiB, max_num_seqs * per_seq * per_tok)
-    num_blocks = pool // (per_tok * block_size)
+    num_blocks = pool // block_bytes
     min_blocks = -(-max_model_len // block_size)
     if num_blocks < min_blocks:
         raise ValueError(f"the KV pool ({pool / GiB:.2f} GiB) cannot hold one sequence of max_model_len "
                          f"{max_model_len}: lower --max-model-len or raise --kv-cache-gib")
     return MemoryPlan(weights, per_tok, block_size, int(num_blocks), workspace, max_model_len, max_num_seqs, device,
-                      state)
+                      state, block_bytes)

@@ -108,9 +108,9 @@ def stack_pieces(blocks: list) -> list:
     out = []
     for lo in range(0, len(blocks), CHUNK):
         hi = min(len(blocks), lo + CHUNK)
-        k0 = blocks[lo][0]
+        k0, v0 = blocks[lo]                   # (quantized K8V4 blocks: k and v rows of other sizes)
         n = _bucket(hi - lo)
-        k, v = np.empty((n, *k0.shape), k0.dtype), np.empty((n, *k0.shape), k0.dtype)
+        k, v = np.empty((n, *k0.shape), k0.dtype), np.empty((n, *v0.shape), v0.dtype)
         for i in range(lo, hi):
             k[i - lo], v[i - lo] = blocks[i]
         out.append((k, v, lo, hi))

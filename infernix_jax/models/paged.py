@@ -53,6 +53,8 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
     n_attn = num_attention_layers(cfg)
     if kv_dtype and kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    if "int4" in KV_DTYPES.get(kv_dtype, ()) and cfg.head_dim % 2:
+        raise ValueError(f"--kv-dtype {kv_dtype} packs two 4-bit values a byte: head_dim {cfg.head_dim} is odd")
     conv, ssm = (), ()
     if cfg.layer_types:
         from .hybrid import state_shapes
@@ -70,13 +72,19 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(n_attn)), conv=conv, ssm=ssm)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> float:
-    """K and V bytes one token takes in the pool (quantized: codes plus its share of the block scales)."""
+def kv_bytes_per_block(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> int:
+    """K and V bytes of one block of block_size tokens over all attention layers (quantized: codes
+    plus the block's f32 scales)."""
     per = num_attention_layers(cfg) * cfg.num_kv_heads
     if not kv_dtype:
-        return 2 * per * cfg.head_dim * jnp.dtype(dtype).itemsize
-    return per * sum(kq.code_dims(f, cfg.head_dim) * jnp.dtype(kq.code_dtype(f)).itemsize + 4 / block_size
+        return 2 * per * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return per * sum(block_size * kq.code_dims(f, cfg.head_dim) * jnp.dtype(kq.code_dtype(f)).itemsize + 4
                      for f in KV_DTYPES[kv_dtype])
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> float:
+    """K and V bytes one token takes in the pool (quantized: with its share of the block scales)."""
+    return kv_bytes_per_block(cfg, dtype, kv_dtype, block_size) / block_size
 
 
 def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
