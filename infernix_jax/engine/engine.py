@@ -61,9 +61,8 @@ class Engine:
                  ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
                  ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
                  kv_dtype: str = ""):
-        from ..models.paged import KV_DTYPES
-        if kv_dtype and kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        from ..models.paged import check_kv_dtype
+        check_kv_dtype(kv_dtype)                  # before the plan sizes a pool for it
         if kv_dtype and (ssd_context_gib > 0 or prefix_cache_file):
             raise ValueError("--kv-dtype does not work with the SSD tier or --prefix-cache-file yet (issue 7)")
         self.kv_dtype = kv_dtype

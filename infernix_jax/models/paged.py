@@ -47,12 +47,16 @@ def num_attention_layers(cfg: ModelConfig) -> int:
 KV_DTYPES = {"int8": ("int8", "int8"), "fp8": ("fp8", "fp8"), "k8v4": ("int8", "int4")}
 
 
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+
+
 def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, state_slots: int = 0,
                   kv_dtype: str = "") -> PagedKV:
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     n_attn = num_attention_layers(cfg)
-    if kv_dtype and kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    check_kv_dtype(kv_dtype)
     if "int4" in KV_DTYPES.get(kv_dtype, ()) and cfg.head_dim % 2:
         raise ValueError(f"--kv-dtype {kv_dtype} packs two 4-bit values a byte: head_dim {cfg.head_dim} is odd")
     conv, ssm = (), ()
