@@ -28,36 +28,47 @@ def write_kv(k_pool, v_pool, k, v, slots):
 
 
 def _gather_seq(pool, block_tables, scale=None, fmt: str = "", dtype=None):
-    """pool [nKV, P, bs, hd], block_tables [B, M] -> [B, M * bs, nKV, hd]. A quantized pool
-    (kv_quant: codes and scale [nKV, P]) comes back dequantized to dtype."""
+    """pool [nKV, P, bs, hd], block_tables [B, M] -> ([B, M * bs, nKV, hd], None). A quantized pool
+    (kv_quant: codes, scale [nKV, P, bs]) gives its codes' values in dtype and the rows' scales
+    [B, M * bs, nKV]: the callers scale scores and probabilities, as the kernels do."""
     nKV, _, bs, _ = pool.shape
     B, M = block_tables.shape
-    if scale is None:
-        g = pool[:, block_tables]                                       # [nKV, B, M, bs, hd]
-    else:
-        g = kv_quant.gather_blocks(pool, scale, block_tables, fmt).astype(dtype)
-    return g.reshape(nKV, B, M * bs, g.shape[-1]).transpose(1, 2, 0, 3)
+    g = pool[:, block_tables]                                           # [nKV, B, M, bs, hd']
+    rows = None
+    if scale is not None:
+        g = kv_quant.unscaled(g, fmt, dtype)
+        rows = scale[:, block_tables].reshape(nKV, B, M * bs).transpose(1, 2, 0)
+    return g.reshape(nKV, B, M * bs, g.shape[-1]).transpose(1, 2, 0, 3), rows
 
 
 def _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, dtype):
-    """Each sequence's keys and values [B, S, nKV, hd] (dequantized where the pools are quantized)."""
+    """Each sequence's keys and values [B, S, nKV, hd] and, for quantized pools, their row scales
+    [B, S, nKV] (else None)."""
     fk, fv = fmts or ("", "")
-    return (_gather_seq(k_pool, block_tables, k_scale, fk, dtype), _gather_seq(v_pool, block_tables, v_scale, fv, dtype))
+    return (*_gather_seq(k_pool, block_tables, k_scale, fk, dtype), *_gather_seq(v_pool, block_tables, v_scale, fv, dtype))
+
+
+def _by_key(x, rows):
+    """x [B, nKV, ..., S] times rows [B, S, nKV] along S (None: x)."""
+    if rows is None:
+        return x
+    r = rows.transpose(0, 2, 1)                                                    # [B, nKV, S]
+    return x * r.reshape(r.shape[:2] + (1,) * (x.ndim - 3) + r.shape[2:])
 
 
 def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, scale=None, k_scale=None,
                                      v_scale=None, fmts=None):
     """q [B, nH, hd] -> [B, nH, hd]; each query sees its sequence's first kv_lens[b] slots.
-    Quantized pools (kv_quant) come with k_scale, v_scale [nKV, P] and their (key, value) formats."""
+    Quantized pools (kv_quant) come with k_scale, v_scale [nKV, P, bs] and their (key, value) formats."""
     B, nH, hd = q.shape
     nKV = k_pool.shape[0]
     scale = hd ** -0.5 if scale is None else scale
-    K, V = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
+    K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
     qg = q.reshape(B, nKV, nH // nKV, hd)
-    s = jnp.einsum("bkgd,bskd->bkgs", qg, K, preferred_element_type=jnp.float32) * scale
+    s = _by_key(jnp.einsum("bkgd,bskd->bkgs", qg, K, preferred_element_type=jnp.float32), ks) * scale
     visible = jnp.arange(K.shape[1])[None, :] < kv_lens[:, None]                # [B, S]
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    p = _by_key(jax.nn.softmax(s, axis=-1), vs)
     o = jnp.einsum("bkgs,bskd->bkgd", p.astype(V.dtype), V, preferred_element_type=jnp.float32)
     return o.reshape(B, nH, hd).astype(q.dtype)
 
@@ -76,15 +87,15 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, c
     idx = cu_q[:-1, None] + t[None, :]                                             # [B, N]
     valid = t[None, :] < q_lens[:, None]
     qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, N, nKV, nH // nKV, hd)              # [B, N, nKV, G, hd]
-    K, V = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
+    K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
     S = K.shape[1]
     pos = (kv_lens - q_lens)[:, None] + t[None, :]                                 # [B, N]
-    s = jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32) * scale
+    s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32), ks) * scale
     sidx = jnp.arange(S)
     visible = (sidx[None, None, :] <= pos[:, :, None]) & (sidx[None, None, :] < kv_lens[:, None, None])
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(jnp.isnan(p), 0.0, p)                                            # padded query rows
+    p = _by_key(jnp.where(jnp.isnan(p), 0.0, p), vs)                               # (NaN: padded query rows)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(V.dtype), V, preferred_element_type=jnp.float32)
     o = o.reshape(B, N, nH, hd).astype(q.dtype)
     dest = jnp.where(valid, idx, N)                                                # padding -> dropped

@@ -1,5 +1,6 @@
 """Paged decode attention (one query token per sequence) in Pallas, lowered through Triton so that
-it runs on any recent NVIDIA GPU; `interpret=True` runs it on the CPU for tests.
+it runs on any recent NVIDIA GPU; `interpret=True` runs it on the CPU for tests. Plain pools in the
+model dtype or quantized ones (kv_quant: codes with a scale per head and token row).
 
 Grid (batch, kv head, split): each program takes one sequence, one KV head with its G query heads
 (padded to 16 rows for the tensor cores), and a fixed-size slice of the sequence (`pages_per_split`
@@ -57,51 +58,120 @@ def _compiler_params(bs: BlockSizes):
         return None
 
 
-def _kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, ppb: int, pps: int, scale: float):
+def _tile(c, fmt: str, dtype) -> list:
+    """A tile of codes [rows, hd'] as its values in dtype: a plain pool's tile itself; quantized, the
+    codes' integers / e4m3 values (exact in bf16), int4 as two half-width tiles (low nibbles: the
+    row's first half, high nibbles: its second half; kv_quant's layout)."""
+    if not fmt:
+        return [c]
+    if fmt == "int4":
+        return [((x.astype(jnp.int32) - 8).astype(jnp.float32)).astype(dtype) for x in (c & 0xF, c >> 4)]
+    return [c.astype(jnp.float32).astype(dtype)]
+
+
+def _load(ref, scale_ref, pages, fmt: str, dtype):
+    """Blocks `pages` [ppb] of one head's pool ref [P, bs, hd'] -> (tiles [block_k, hd / parts] (see
+    _tile), row scales [block_k] f32 or None for a plain pool)."""
+    c = ref[pages]
+    ppb, bs = c.shape[0], c.shape[1]
+    tiles = _tile(c.reshape(ppb * bs, c.shape[2]), fmt, dtype)
+    return tiles, (scale_ref[pages].reshape(ppb * bs) if fmt else None)
+
+
+def attend_block(q, o, m, l, k_ref, v_ref, ks_ref, vs_ref, pages, mask, scale: float, fmts):
+    """One online-softmax step over KV blocks `pages` for query rows q [R, hd] (shared by the
+    decode and ragged kernels): o is a tuple of output parts [R, hd / parts] f32, m, l [R];
+    mask(s) masks the scores [R, block_k]. Quantized keys scale each score column by its key's
+    scale, quantized values each probability column by its value's scale: no per-element work."""
+    fk, fv = fmts
+    (k,), ks = _load(k_ref, ks_ref, pages, fk, q.dtype)
+    s = _dot_nt(q, k)
+    s = mask((s if ks is None else s * ks[None, :]) * scale)                  # [R, block_k], log2 units
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    corr = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * corr + p.sum(axis=-1)
+    vt, vs = _load(v_ref, vs_ref, pages, fv, q.dtype)
+    pv = p if vs is None else p * vs[None, :]
+    o = tuple(oi * corr[:, None] + _dot_nn(pv.astype(v.dtype), v) for oi, v in zip(o, vt))
+    return o, m_new, l
+
+
+def _parts(fmts) -> int:
+    """How many half tiles a value row loads as (int4 values: 2)."""
+    return 2 if fmts[1] == "int4" else 1
+
+
+def _kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, *refs, ppb: int, pps: int, scale: float, fmts):
     # bt_ref   [pps]            this split's block ids
     # lens_ref [B]              kv lengths
     # q_ref    [Gp, hd]         queries of this kv head (rows >= G are padding)
-    # k_ref, v_ref [P, bs, hd]  this kv head's pool
-    # o_ref [Gp, hd], m_ref / l_ref [Gp]: this split's partial result
+    # k_ref, v_ref [P, bs, hd'] this kv head's pool (quantized: codes, then ks_ref, vs_ref [P, bs])
+    # o_ref [parts, Gp, hd / parts], m_ref / l_ref [Gp]: this split's partial result
+    ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if fmts[0] else (None, None, *refs)
     b, split = pl.program_id(0), pl.program_id(2)
-    bs, hd = k_ref.shape[1], k_ref.shape[2]
+    bs = k_ref.shape[1]
     length = lens_ref[b]
     first_page = split * pps
     n_pages = jnp.clip(pl.cdiv(length, bs) - first_page, 0, pps)
     q = q_ref[...]
-    gp = q.shape[0]
+    gp, hd = q.shape
     block_k = ppb * bs
+    parts = _parts(fmts)
 
     def body(i, carry):
-        o, m, l = carry
         pages = bt_ref[pl.ds(i * ppb, ppb)]                                   # [ppb]
-        k = k_ref[pages].reshape(block_k, hd)
-        v = v_ref[pages].reshape(block_k, hd)
-        s = _dot_nt(q, k) * scale            # [Gp, block_k], log2 units
         tok = (first_page + i * ppb) * bs + jnp.arange(block_k)
-        s = jnp.where((tok < length)[None, :], s, NEG)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        corr = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * corr + p.sum(axis=-1)
-        o = o * corr[:, None] + _dot_nn(p.astype(v.dtype), v)
-        return o, m_new, l
+        return attend_block(q, *carry, k_ref, v_ref, ks_ref, vs_ref, pages,
+                            lambda s: jnp.where((tok < length)[None, :], s, NEG), scale, fmts)
 
-    init = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    init = (tuple(jnp.zeros((gp, hd // parts), jnp.float32) for _ in range(parts)),
+            jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
     o, m, l = jax.lax.fori_loop(0, pl.cdiv(n_pages, ppb), body, init)
-    o_ref[...] = o.astype(o_ref.dtype)
+    for i in range(parts):
+        o_ref[i] = o[i].astype(o_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale"))
-def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: float | None = None,
-                           block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
-    """q [B, nH, hd]; k_pool, v_pool [nKV, P, bs, hd]; block_tables [B, M]; kv_lens [B] -> [B, nH, hd]."""
+def check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts):
+    """-> (fmts as a pair, parts); clear errors for pools that do not match q or each other."""
+    nH, hd = q.shape[-2:]
+    fmts = tuple(fmts or ("", ""))
+    nKV, P, bs = k_pool.shape[:3]
+    want = [_code_dims(f, hd) for f in fmts]
+    if (k_pool.shape[3], v_pool.shape[3]) != tuple(want) or v_pool.shape[:3] != (nKV, P, bs) or nH % nKV:
+        raise ValueError(f"shape mismatch: q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}, formats {fmts}")
+    if fmts[0] == "int4" or bool(fmts[0]) != bool(fmts[1]):
+        raise ValueError(f"unsupported KV formats {fmts}: keys int8/fp8 with values int8/fp8/int4, or neither")
+    if fmts[0] and (k_scale is None or v_scale is None or k_scale.shape != (nKV, P, bs) or v_scale.shape != (nKV, P, bs)):
+        raise ValueError(f"quantized pools need k_scale and v_scale of shape {(nKV, P, bs)}")
+    return fmts, _parts(fmts)
+
+
+def _code_dims(fmt: str, hd: int) -> int:
+    from .kv_quant import code_dims
+    return code_dims(fmt, hd) if fmt else hd
+
+
+def pool_specs(P: int, bs: int, hd: int, fmts, head_of) -> list:
+    """BlockSpecs of one KV head's pools (and, quantized, its scales); head_of(*grid) -> the head."""
+    dims = [_code_dims(f, hd) for f in fmts]
+    specs = [pl.BlockSpec((None, P, bs, d), lambda *g: (head_of(*g), 0, 0, 0)) for d in dims]
+    if fmts[0]:
+        specs += [pl.BlockSpec((None, P, bs), lambda *g: (head_of(*g), 0, 0))] * 2
+    return specs
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "fmts"))
+def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: float | None = None, k_scale=None,
+                           v_scale=None, fmts=None, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+    """q [B, nH, hd]; k_pool, v_pool [nKV, P, bs, hd]; block_tables [B, M]; kv_lens [B] -> [B, nH, hd].
+    Quantized pools (kv_quant): codes [nKV, P, bs, hd'], k_scale, v_scale [nKV, P, bs] and
+    fmts = (key format, value format)."""
     B, nH, hd = q.shape
-    nKV, P, bs, hd_k = k_pool.shape
-    if hd_k != hd or v_pool.shape != k_pool.shape or nH % nKV:
-        raise ValueError(f"shape mismatch: q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}")
+    fmts, parts = check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts)
+    nKV, P, bs, _ = k_pool.shape
     if block_tables.shape[0] != B or kv_lens.shape != (B,):
         raise ValueError(f"block_tables {block_tables.shape} / kv_lens {kv_lens.shape} do not match batch {B}")
     scale = hd ** -0.5 if scale is None else scale
@@ -113,7 +183,8 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
     splits = pl.cdiv(M, pps)
     bt = jnp.pad(block_tables, ((0, 0), (0, splits * pps - M)))
     qg = jnp.pad(q.reshape(B, nKV, G, hd), ((0, 0), (0, 0), (0, gp - G), (0, 0)))
-    kernel = functools.partial(_kernel, ppb=ppb, pps=pps, scale=scale * LOG2E)
+    kernel = functools.partial(_kernel, ppb=ppb, pps=pps, scale=scale * LOG2E, fmts=fmts)
+    scales = (k_scale, v_scale) if fmts[0] else ()
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, nKV, splits),
@@ -121,23 +192,23 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
             pl.BlockSpec((None, pps), lambda b, h, s: (b, s)),                             # block table slice
             pl.BlockSpec((B,), lambda b, h, s: (0,)),                                      # kv_lens
             pl.BlockSpec((None, None, gp, hd), lambda b, h, s: (b, h, 0, 0)),              # q
-            pl.BlockSpec((None, P, bs, hd), lambda b, h, s: (h, 0, 0, 0)),                 # k pool of head h
-            pl.BlockSpec((None, P, bs, hd), lambda b, h, s: (h, 0, 0, 0)),                 # v pool of head h
+            *pool_specs(P, bs, hd, fmts, lambda b, h, s: h),                               # head h's pools
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, gp, hd), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, parts, gp, hd // parts), lambda b, h, s: (s, b, h, 0, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (s, b, h, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (s, b, h, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((splits, B, nKV, gp, hd), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, nKV, parts, gp, hd // parts), jnp.float32),
             jax.ShapeDtypeStruct((splits, B, nKV, gp), jnp.float32),
             jax.ShapeDtypeStruct((splits, B, nKV, gp), jnp.float32),
         ],
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(block_sizes),
         name="paged_decode_attention",
-    )(bt, kv_lens.astype(jnp.int32), qg, k_pool, v_pool)
+    )(bt, kv_lens.astype(jnp.int32), qg, k_pool, v_pool, *scales)
+    o = jnp.moveaxis(o, 3, 4).reshape(splits, B, nKV, gp, hd)                 # halves side by side
     # merge the splits (flash-decoding): rescale each partial to the global max
     m_all = m.max(axis=0)                                                      # [B, nKV, gp]
     w = jnp.exp2(m - m_all[None])                                              # [S, B, nKV, gp]

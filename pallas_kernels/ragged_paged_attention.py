@@ -4,8 +4,9 @@ Queries of all sequences are flattened into one token axis (cu_q marks where eac
 chunk starts); K/V come from the paged pool. Grid (sequence, query block, kv head): a program takes
 a tile of rows = (query tokens of one sequence) x (the G query heads sharing one KV head), so that
 every K/V block loaded feeds one large matmul, and walks the sequence's KV blocks up to the tile's
-causal limit with an online softmax. Programs whose query block lies
-past their sequence's chunk exit at once, so the grid can be sized from static shapes."""
+causal limit with an online softmax (attend_block, shared with the decode kernel, so quantized
+pools work here the same way). Programs whose query block lies past their sequence's chunk exit at
+once, so the grid can be sized from static shapes."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .paged_attention import ragged_paged_attention_reference
-from .paged_decode_attention import LOG2E, NEG, _compiler_params, _dot_nn, _dot_nt, fit_pages
+from .paged_decode_attention import LOG2E, NEG, _compiler_params, _parts, attend_block, check_pools, fit_pages, pool_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +29,17 @@ class BlockSizes:
     num_stages: int = 2
 
 
-def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: int, ppb: int, gp: int, scale: float):
+def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, ppb: int, gp: int, scale: float,
+            fmts):
     # cu_ref [B + 1], lens_ref [B]; bt_ref [M] this sequence's blocks
-    # q_ref, o_ref [(N + block_q) * gp, hd] this kv head's queries / outputs, row = token * gp + head
+    # q_ref [(N + block_q) * gp, hd] this kv head's queries, row = token * gp + head
     #   (the G heads sharing the KV head, padded to gp, so one tile feeds the tensor cores)
-    # k_ref, v_ref [P, bs, hd] this kv head's pool
+    # k_ref, v_ref [P, bs, hd'] this kv head's pool (quantized: codes, then ks_ref, vs_ref [P, bs])
+    # o_ref [parts, (N + block_q) * gp, hd / parts] its outputs (int4 values: two halves)
+    ks_ref, vs_ref, o_ref = refs if fmts[0] else (None, None, *refs)
     b, j = pl.program_id(0), pl.program_id(1)
-    bs, hd = k_ref.shape[1], k_ref.shape[2]
+    bs, hd = k_ref.shape[1], q_ref.shape[1]
+    parts = _parts(fmts)
     q_begin, q_end = cu_ref[b], cu_ref[b + 1]
     start = q_begin + j * block_q
     rows = block_q * gp
@@ -51,42 +56,37 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: in
         q = q_ref[pl.ds(start * gp, rows), :]                                       # [rows, hd]
 
         def body(i, carry, masked: bool):
-            o, m, l = carry
-            pages = bt_ref[pl.ds(i * ppb, ppb)]
-            k = k_ref[pages].reshape(block_k, hd)
-            v = v_ref[pages].reshape(block_k, hd)
-            s = _dot_nt(q, k) * scale                                               # [rows, block_k], log2 units
-            if masked:
+            def mask(s):
+                if not masked:
+                    return s
                 tok = i * block_k + jnp.arange(block_k)
-                s = jnp.where((tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len), s, NEG)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            corr = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            return o * corr[:, None] + _dot_nn(p.astype(v.dtype), v), m_new, l * corr + p.sum(axis=-1)
+                return jnp.where((tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len), s, NEG)
+            return attend_block(q, *carry, k_ref, v_ref, ks_ref, vs_ref, bt_ref[pl.ds(i * ppb, ppb)], mask,
+                                scale, fmts)
 
-        init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
-                jnp.zeros((rows,), jnp.float32))
+        init = (tuple(jnp.zeros((rows, hd // parts), jnp.float32) for _ in range(parts)),
+                jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
         # KV blocks wholly at or before the tile's first query position need no mask; only the
         # blocks on the causal diagonal (and the ragged end) pay for it
         n_full = (pos0 + 1) // block_k
         n_all = pl.cdiv(pl.cdiv(last, bs), ppb)
         carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
         o, _, l = jax.lax.fori_loop(n_full, n_all, functools.partial(body, masked=True), carry)
-        o = o / jnp.maximum(l, 1e-30)[:, None]
         valid = (start + tok_of_row) < q_end
-        pltriton.store(o_ref.at[pl.ds(start * gp, rows), :], o.astype(o_ref.dtype), mask=valid[:, None])
+        for i in range(parts):
+            pltriton.store(o_ref.at[pl.ds(i, 1), pl.ds(start * gp, rows), :],
+                           (o[i] / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)[None], mask=valid[None, :, None])
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale"))
-def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale: float | None = None,
-                           block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "fmts"))
+def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale: float | None = None, k_scale=None,
+                           v_scale=None, fmts=None, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
     """q [N, nH, hd]; k_pool, v_pool [nKV, P, bs, hd]; block_tables [B, M]; kv_lens [B]; cu_q [B + 1]
-    -> [N, nH, hd] (rows past cu_q[B] are zero)."""
+    -> [N, nH, hd] (rows past cu_q[B] are zero). Quantized pools: as paged_decode_attention."""
     N, nH, hd = q.shape
-    nKV, P, bs, hd_k = k_pool.shape
+    fmts, parts = check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts)
+    nKV, P, bs, _ = k_pool.shape
     B, M = block_tables.shape
-    if hd_k != hd or v_pool.shape != k_pool.shape or nH % nKV:
-        raise ValueError(f"shape mismatch: q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}")
     if kv_lens.shape != (B,) or cu_q.shape != (B + 1,):
         raise ValueError(f"kv_lens {kv_lens.shape} / cu_q {cu_q.shape} do not match batch {B}")
     scale = hd ** -0.5 if scale is None else scale
@@ -102,7 +102,8 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
     bt = jnp.pad(block_tables, ((0, 0), (0, Mp - M)))
     qh = q.reshape(N, nKV, G, hd).transpose(1, 0, 2, 3)                              # [nKV, N, G, hd]
     qh = jnp.pad(qh, ((0, 0), (0, bq), (0, gp - G), (0, 0))).reshape(nKV, (N + bq) * gp, hd)
-    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale * LOG2E)
+    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale * LOG2E, fmts=fmts)
+    scales = (k_scale, v_scale) if fmts[0] else ()
     out = pl.pallas_call(
         kernel,
         grid=(B, pl.cdiv(N, bq), nKV),
@@ -111,15 +112,15 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
             pl.BlockSpec((B,), lambda b, j, h: (0,)),
             pl.BlockSpec((None, Mp), lambda b, j, h: (b, 0)),
             pl.BlockSpec((None, (N + bq) * gp, hd), lambda b, j, h: (h, 0, 0)),
-            pl.BlockSpec((None, P, bs, hd), lambda b, j, h: (h, 0, 0, 0)),
-            pl.BlockSpec((None, P, bs, hd), lambda b, j, h: (h, 0, 0, 0)),
+            *pool_specs(P, bs, hd, fmts, lambda b, j, h: h),
         ],
-        out_specs=pl.BlockSpec((None, (N + bq) * gp, hd), lambda b, j, h: (h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((nKV, (N + bq) * gp, hd), q.dtype),
+        out_specs=pl.BlockSpec((None, parts, (N + bq) * gp, hd // parts), lambda b, j, h: (h, 0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((nKV, parts, (N + bq) * gp, hd // parts), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(block_sizes),
         name="ragged_paged_attention",
-    )(cu_q.astype(jnp.int32), kv_lens.astype(jnp.int32), bt, qh, k_pool, v_pool)
+    )(cu_q.astype(jnp.int32), kv_lens.astype(jnp.int32), bt, qh, k_pool, v_pool, *scales)
+    out = jnp.moveaxis(out.reshape(nKV, parts, N + bq, gp, hd // parts), 1, 3)      # halves side by side
     out = out.reshape(nKV, N + bq, gp, hd)[:, :N, :G].transpose(1, 0, 2, 3).reshape(N, nH, hd)
     valid = jnp.arange(N) < cu_q[B]
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import kv_quant as kq
 from pallas_kernels import paged_decode_attention as pda
 from pallas_kernels import ragged_paged_attention as rpa
 
@@ -14,6 +15,20 @@ MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", 
 def pool(rng, nKV, P, bs, hd, dtype):
     return (jnp.asarray(rng.standard_normal((nKV, P, bs, hd)), dtype),
             jnp.asarray(rng.standard_normal((nKV, P, bs, hd)), dtype))
+
+
+KV_FORMATS = {"int8": ("int8", "int8"), "fp8": ("fp8", "fp8"), "k8v4": ("int8", "int4")}
+
+
+def quantized_pool(rng, nKV, P, bs, hd, kv_dtype):
+    """-> (k codes, v codes, {k_scale, v_scale, fmts}) of random rows whose magnitudes vary by row."""
+    out, scales = [], []
+    for f in KV_FORMATS[kv_dtype]:
+        x = jnp.asarray(rng.standard_normal((nKV, P, bs, hd)) * rng.uniform(0.1, 4, (nKV, P, bs, 1)), jnp.float32)
+        s = kq.row_scale(x, f)
+        out.append(kq.encode(x, s, f))
+        scales.append(s)
+    return (*out, dict(k_scale=scales[0], v_scale=scales[1], fmts=KV_FORMATS[kv_dtype]))
 
 
 def check(out, ref, dtype):
@@ -78,6 +93,55 @@ def test_ragged_paged_attention(case, dtype, interpret):
     assert not np.asarray(out[int(cu[-1]):], np.float32).any()   # padding rows stay zero
 
 
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
+@pytest.mark.parametrize("case", [0, 3])
+def test_paged_decode_attention_on_quantized_kv(case, kv_dtype, dtype, interpret):
+    nH, nKV, hd, bs, lengths, M = DECODE_CASES[case]
+    rng = np.random.default_rng(20 + case)
+    B = len(lengths)
+    P = B * M + 3
+    k, v, quant = quantized_pool(rng, nKV, P, bs, hd, kv_dtype)
+    q = jnp.asarray(rng.standard_normal((B, nH, hd)), dtype)
+    bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    bsz = pda.BlockSizes(pages_per_compute_block=2, pages_per_split=4) if interpret else pda.BlockSizes()
+    out = pda.paged_decode_attention(q, k, v, bt, lens, block_sizes=bsz, interpret=interpret, **quant)
+    ref = pda.paged_decode_attention_reference(q, k, v, bt, lens, **quant)
+    check(out, ref, dtype)
+    # and the reference is attention over the dequantized pools
+    fk, fv = KV_FORMATS[kv_dtype]
+    plain = pda.paged_decode_attention_reference(q, kq.decode(k, quant["k_scale"], fk).astype(dtype),
+                                                 kq.decode(v, quant["v_scale"], fv).astype(dtype), bt, lens)
+    check(ref, plain, dtype)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
+@pytest.mark.parametrize("case", [0, 2])
+def test_ragged_paged_attention_on_quantized_kv(case, kv_dtype, dtype, interpret):
+    nH, nKV, hd, bs, q_lens, before, M, N = RAGGED_CASES[case]
+    rng = np.random.default_rng(30 + case)
+    B = len(q_lens)
+    P = B * M + 1
+    k, v, quant = quantized_pool(rng, nKV, P, bs, hd, kv_dtype)
+    q = jnp.asarray(rng.standard_normal((N, nH, hd)), dtype)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kv_lens = jnp.asarray([a + b for a, b in zip(q_lens, before)], jnp.int32)
+    bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    bsz = rpa.BlockSizes(block_rows=32, pages_per_compute_block=2) if interpret else rpa.BlockSizes()
+    out = rpa.ragged_paged_attention(q, k, v, bt, kv_lens, cu, block_sizes=bsz, interpret=interpret, **quant)
+    ref = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu, **quant)
+    check(out, ref, dtype)
+    assert not np.asarray(out[int(cu[-1]):], np.float32).any()
+    fk, fv = KV_FORMATS[kv_dtype]
+    plain = rpa.ragged_paged_attention_reference(q, kq.decode(k, quant["k_scale"], fk).astype(dtype),
+                                                 kq.decode(v, quant["v_scale"], fv).astype(dtype), bt, kv_lens, cu)
+    check(ref, plain, dtype)
+
+
 def test_kernels_validate_shapes():
     q = jnp.zeros((2, 8, 64))
     k = jnp.zeros((2, 4, 16, 32))
@@ -86,3 +150,10 @@ def test_kernels_validate_shapes():
     with pytest.raises(ValueError, match="do not match batch"):
         rpa.ragged_paged_attention(jnp.zeros((4, 8, 32)), k, k, jnp.zeros((2, 2), jnp.int32),
                                    jnp.ones((3,), jnp.int32), jnp.zeros((3,), jnp.int32), interpret=True)
+    codes = jnp.zeros((2, 4, 16, 64), jnp.int8)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        pda.paged_decode_attention(q, codes, codes, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
+                                   fmts=("int8", "int8"), interpret=True)
+    with pytest.raises(ValueError, match="shape mismatch"):      # int4 values take hd / 2 bytes a row
+        pda.paged_decode_attention(q, codes, codes, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
+                                   fmts=("int8", "int4"), interpret=True)

@@ -1,5 +1,5 @@
-"""Quantized KV pools (pallas_kernels/kv_quant.py, --kv-dtype in progress): codes and one scale per
-(head, block), written token by token or a chunk at a time, on fresh random inputs."""
+"""Quantized KV pools (pallas_kernels/kv_quant.py, --kv-dtype): codes and one scale per head and token
+row, written token by token or a chunk at a time, on fresh random inputs."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,58 +17,53 @@ def slot(p: int) -> int:
 def stale_pool(rng, fmt):
     """A pool whose blocks still hold a previous owner's codes and scales."""
     codes = jnp.asarray(rng.integers(0, 100, (nKV, P, bs, kq.code_dims(fmt, hd)))).astype(kq.code_dtype(fmt))
-    return codes, jnp.asarray(rng.uniform(1, 2, (nKV, P)), jnp.float32)
+    return codes, jnp.asarray(rng.uniform(1, 2, (nKV, P, bs)), jnp.float32)
 
 
 def relative_step(fmt):
-    """Largest rounding error of one encode, in units of the block scale."""
+    """Largest rounding error of one encode, in units of the row's scale."""
     return {"int8": 0.5, "int4": 0.5, "fp8": 448 * 2 ** -4}[fmt]
 
 
 @pytest.mark.parametrize("fmt", kq.KV_FORMATS)
-def test_a_prefill_chunk_rounds_each_block_once(fmt):
+def test_each_row_is_rounded_once_by_its_own_scale_however_it_is_written(fmt):
     rng = np.random.default_rng(1)
-    pool, scale = stale_pool(rng, fmt)
-    x = rng.normal(size=(40, nKV, hd)).astype(np.float32)
-    pool, scale = kq.write(pool, scale, jnp.asarray(x), jnp.asarray([slot(p) for p in range(40)]), fmt)
-    got = np.asarray(kq.gather_blocks(pool, scale, jnp.asarray(TABLE), fmt))        # [nKV, 3, bs, hd]
-    want = np.zeros_like(got)
-    for p in range(40):
-        want[:, p // bs, p % bs] = x[p]
-    for i in range(3):
-        n = min(bs, 40 - i * bs)
-        s = np.asarray(scale)[:, TABLE[i]]
-        np.testing.assert_allclose(s * kq.QMAX[fmt], np.abs(want[:, i, :n]).max(axis=(1, 2)), rtol=1e-6)
-        err = np.abs(got[:, i, :n] - want[:, i, :n]).max(axis=(1, 2))
-        assert (err <= s * relative_step(fmt) * 1.0001).all(), (err, s)
+    x = (rng.normal(size=(40, nKV, hd)) * rng.uniform(0.1, 5, (40, nKV, 1))).astype(np.float32)
+    slots = jnp.asarray([slot(p) for p in range(40)])
+    stale = stale_pool(rng, fmt)
+    chunk = kq.write(*stale, jnp.asarray(x), slots, fmt)
+    pool, scale = stale
+    for lo, hi in [(0, 1), (1, 17), (17, 18), (18, 40)]:               # other chunk boundaries
+        pool, scale = kq.write(pool, scale, jnp.asarray(x[lo:hi]), slots[lo:hi], fmt)
+    for a, b in zip(chunk, (pool, scale)):                             # the same bits either way
+        np.testing.assert_array_equal(np.asarray(a[:, TABLE]).view(np.uint8), np.asarray(b[:, TABLE]).view(np.uint8))
+    got = np.asarray(kq.gather_blocks(pool, scale, jnp.asarray(TABLE), fmt)).reshape(nKV, -1, hd)[:, :40]
+    s = np.asarray(scale[:, TABLE]).reshape(nKV, -1)[:, :40]
+    np.testing.assert_allclose(s * kq.QMAX[fmt], np.abs(x).max(axis=-1).T, rtol=1e-6)
+    err = np.abs(got - x.swapaxes(0, 1)).max(axis=-1)
+    assert (err <= s * relative_step(fmt) * 1.0001).all()
 
 
-@pytest.mark.parametrize("fmt", kq.KV_FORMATS)
-def test_decode_writes_grow_the_scale_and_keep_what_the_block_held(fmt):
-    rng = np.random.default_rng(2)
-    pool, scale = stale_pool(rng, fmt)
-    want = np.zeros((nKV, 3, bs, hd), np.float32)
-    for p in range(40):                 # growing magnitudes: most tokens raise their block's scale
-        y = (rng.normal(size=(1, nKV, hd)) * (1 + p / 5)).astype(np.float32)
-        pool, scale = kq.write(pool, scale, jnp.asarray(y), jnp.asarray([slot(p)]), fmt)
-        want[:, p // bs, p % bs] = y[0]
-    got = np.asarray(kq.gather_blocks(pool, scale, jnp.asarray(TABLE), fmt))
-    for i in range(3):
-        n = min(bs, 40 - i * bs)
-        s = np.asarray(scale)[:, TABLE[i]]
-        err = np.abs(got[:, i, :n] - want[:, i, :n]).max(axis=(1, 2))
-        # each raise re-rounds the block once: a few steps at most, never a stale value
-        assert (err <= 4 * s * relative_step(fmt)).all(), (err, s)
+def test_int4_packs_the_two_halves_of_a_row():
+    x = jnp.asarray(np.arange(1, 9, dtype=np.float32) - 4.5)[None]           # [1, 8]: -3.5 .. 3.5
+    codes = np.asarray(kq.encode(x, jnp.asarray([0.5]), "int4"))             # q = -7 .. 7 (odd steps)
+    q = np.round(np.asarray(x[0]) / 0.5).astype(int) + 8
+    np.testing.assert_array_equal(codes[0] & 0xF, q[:4])
+    np.testing.assert_array_equal(codes[0] >> 4, q[4:])
+    np.testing.assert_array_equal(np.asarray(kq.decode(jnp.asarray(codes), jnp.asarray([0.5]), "int4")), x)
 
 
-def test_padding_slots_are_dropped_and_untouched_blocks_keep_their_codes():
+def test_padding_slots_are_dropped_and_untouched_rows_keep_their_codes():
     rng = np.random.default_rng(3)
     pool, scale = stale_pool(rng, "int8")
     x = jnp.asarray(rng.normal(size=(3, nKV, hd)), jnp.float32)
     new_pool, new_scale = kq.write(pool, scale, x, jnp.asarray([slot(0), P * bs, P * bs + 5]), "int8")
-    others = [b for b in range(P) if b != TABLE[0]]
-    np.testing.assert_array_equal(np.asarray(new_pool)[:, others], np.asarray(pool)[:, others])
-    np.testing.assert_array_equal(np.asarray(new_scale)[:, others], np.asarray(scale)[:, others])
+    b, o = TABLE[0], 0
+    keep = np.ones((P, bs), bool)
+    keep[b, o] = False
+    np.testing.assert_array_equal(np.asarray(new_pool)[:, keep], np.asarray(pool)[:, keep])
+    np.testing.assert_array_equal(np.asarray(new_scale)[:, keep], np.asarray(scale)[:, keep])
+    assert (np.asarray(new_scale)[:, b, o] > 0).all()
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "k8v4"])
@@ -144,7 +139,7 @@ def test_k8v4_serves_prefix_hits_from_the_ram_tier(smollm):
     from infernix_jax.engine import Engine, Request, SamplingParams
     e = Engine(smollm, max_num_seqs=1, max_model_len=224, kv_dtype="k8v4", kv_cache_gib=0.0024,
                prefix_cache_ram_gib=0.05)
-    assert e.plan.block_bytes == 30 * 3 * (16 * 64 + 4 + 16 * 32 + 4)
+    assert e.plan.block_bytes == 30 * 3 * 16 * (64 + 4 + 32 + 4)
     rng = np.random.default_rng(6)
     shared = [int(t) for t in rng.integers(10, 40000, 120)]
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

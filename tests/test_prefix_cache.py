@@ -34,15 +34,22 @@ def run(eng, prompts, n=N_NEW):
     return eng.generate([Request(p, greedy(n)) for p in prompts])
 
 
-def uncached(model, prompts, n=N_NEW):
-    eng = Engine(model, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=1, prefix_cache=False)
+def uncached(model, prompts, n=N_NEW, kv_dtype=""):
+    eng = Engine(model, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=1, prefix_cache=False,
+                 kv_dtype=kv_dtype)
     return [r.token_ids for r in run(eng, prompts, n)]
 
 
-def test_shared_prefix_reused_from_device_blocks(tiny, texts):
+# quantized KV too: each token's codes depend on its own K/V only (kv_quant), so a block reused
+# from the cache holds exactly what a fresh prefill would write, however it was chunked
+KV_DTYPES = ["", "int8", "k8v4"]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_shared_prefix_reused_from_device_blocks(tiny, texts, kv_dtype):
     system, prompts = texts
-    want = uncached(tiny, prompts)
-    eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=2)
+    want = uncached(tiny, prompts, kv_dtype=kv_dtype)
+    eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=2, kv_dtype=kv_dtype)
     first = run(eng, prompts[:1])[0]
     assert first.cached_tokens == 0 and first.token_ids == want[0]
     rest = run(eng, prompts[1:])                  # concurrently, all sharing the system prompt's blocks
@@ -62,25 +69,28 @@ def test_resent_prompt_computes_only_its_last_token(tiny, texts):
     assert b.cached_tokens == len(prompts[2]) - 1
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("n", [13, 20])     # the reply ends with its last dispatch / inside it, on a new block
-def test_next_turn_resumes_from_the_end_of_the_reply(tiny, texts, n):
+def test_next_turn_resumes_from_the_end_of_the_reply(tiny, texts, n, kv_dtype):
     _, prompts = texts
-    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=3)
+    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=3, kv_dtype=kv_dtype)
     turn1 = run(eng, prompts[1:2], n=n)[0]
     follow = prompts[1] + turn1.token_ids + [11, 12, 13, 14, 15]
     turn2 = run(eng, [follow])[0]
     # everything computed before is reused: the prompt and the reply but its last token (never fed)
     assert turn2.cached_tokens == len(prompts[1]) + n - 1
-    assert turn2.token_ids == uncached(tiny, [follow])[0]
+    assert turn2.token_ids == uncached(tiny, [follow], kv_dtype=kv_dtype)[0]
 
 
-def test_evicted_blocks_come_back_from_the_ram_tier(tiny, texts):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_evicted_blocks_come_back_from_the_ram_tier(tiny, texts, kv_dtype):
+    from infernix_jax.models.paged import kv_bytes_per_block
     system, prompts = texts
-    per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
+    per_block = kv_bytes_per_block(tiny.cfg, tiny.dtype, kv_dtype, 16)
     eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
-                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB)
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB, kv_dtype=kv_dtype)
     assert eng.bm.num_blocks == 10
-    want = uncached(tiny, prompts[:2])
+    want = uncached(tiny, prompts[:2], kv_dtype=kv_dtype)
     assert run(eng, prompts[:1])[0].token_ids == want[0]
     rng = np.random.default_rng(9)
     for _ in range(3):                            # unrelated prompts push the system prompt off the device

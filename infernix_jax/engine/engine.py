@@ -113,9 +113,6 @@ class Engine:
         if self.snapshots is not None:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
         impl = attn_impl or ("pallas" if on_gpu else "reference")
-        if kv_dtype and impl != "reference":
-            log.warning("--kv-dtype %s: attention runs the reference (jnp) path: the Pallas kernels do not read "
-                        "quantized KV yet (issue 7)", kv_dtype)
         self.runner = Runner(model, self.plan.num_blocks, block_size, impl, state_slots=max_num_seqs,
                              max_context=self.max_context, kv_dtype=kv_dtype)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)

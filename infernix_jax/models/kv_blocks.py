@@ -7,7 +7,7 @@ split by n's binary digits (300 = 256 + 32 + 8 + 4), so a piece kept in host mem
 padding, and a long-running server compiles a handful of shapes. A piece is block-major
 [n, L, nKV, bs, hd], so one block is one contiguous row of it. Padding ids on writes point past
 the pool and are dropped. A quantized pool's block (--kv-dtype) travels as bytes, [n, L, nKV, R]
-uint8 with R = its codes' bytes and then its f32 scale's 4: the tiers and the cache file keep
+uint8 with R = its codes' bytes and then its bs f32 scales': the tiers and the cache file keep
 whatever arrays they are given, so the scale moves with its block without their knowing."""
 from __future__ import annotations
 
@@ -38,18 +38,19 @@ def exact_pieces(n: int):
 
 
 def _to_bytes(codes, scale):
-    """codes [nKV, n, bs, hd'], scale [nKV, n] -> [nKV, n, R] uint8 (codes' bytes, then the scale's)."""
-    nKV, n = scale.shape
+    """codes [nKV, n, bs, hd'], scale [nKV, n, bs] -> [nKV, n, R] uint8 (codes' bytes, then the scales')."""
+    nKV, n, _ = scale.shape
     c = jax.lax.bitcast_convert_type(codes, jnp.uint8)                                 # 1-byte codes
-    s = jax.lax.bitcast_convert_type(scale, jnp.uint8)                                 # [nKV, n, 4]
-    return jnp.concatenate([c.reshape(nKV, n, -1), s], axis=-1)
+    s = jax.lax.bitcast_convert_type(scale, jnp.uint8)                                 # [nKV, n, bs, 4]
+    return jnp.concatenate([c.reshape(nKV, n, -1), s.reshape(nKV, n, -1)], axis=-1)
 
 
 def _from_bytes(b, like):
-    """[nKV, n, R] uint8 -> (codes [nKV, n, bs, hd'] in like's dtype, scale [nKV, n] f32); like: the pool."""
+    """[nKV, n, R] uint8 -> (codes [nKV, n, bs, hd'] in like's dtype, scale [nKV, n, bs] f32); like: the pool."""
     nKV, n, _ = b.shape
-    codes = jax.lax.bitcast_convert_type(b[..., :-4].reshape(nKV, n, *like.shape[2:]), like.dtype)
-    return codes, jax.lax.bitcast_convert_type(b[..., -4:], jnp.float32)
+    bs = like.shape[2]
+    codes = jax.lax.bitcast_convert_type(b[..., :-4 * bs].reshape(nKV, n, *like.shape[2:]), like.dtype)
+    return codes, jax.lax.bitcast_convert_type(b[..., -4 * bs:].reshape(nKV, n, bs, 4), jnp.float32)
 
 
 @jax.jit

@@ -24,8 +24,8 @@ class PagedKV:
     v: tuple
     conv: tuple = ()
     ssm: tuple = ()
-    # --kv-dtype (pallas_kernels/kv_quant.py): k[j], v[j] hold codes, k_scale[j], v_scale[j] [nKV, P]
-    # one f32 scale per head and block; "" (the model dtype): no scales
+    # --kv-dtype (pallas_kernels/kv_quant.py): k[j], v[j] hold codes, k_scale[j], v_scale[j]
+    # [nKV, P, bs] one f32 scale per head and token row; "" (the model dtype): no scales
     k_scale: tuple = ()
     v_scale: tuple = ()
     kv_dtype: str = struct.field(pytree_node=False, default="")
@@ -69,7 +69,7 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
     if kv_dtype:
         fk, fv = KV_DTYPES[kv_dtype]
         pool = lambda f: jnp.zeros((*shape[:3], kq.code_dims(f, shape[3])), kq.code_dtype(f))  # noqa: E731
-        scales = lambda: tuple(jnp.zeros(shape[:2], jnp.float32) for _ in range(n_attn))      # noqa: E731
+        scales = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(n_attn))      # noqa: E731
         return PagedKV(k=tuple(pool(fk) for _ in range(n_attn)), v=tuple(pool(fv) for _ in range(n_attn)),
                        conv=conv, ssm=ssm, k_scale=scales(), v_scale=scales(), kv_dtype=kv_dtype)
     return PagedKV(k=tuple(jnp.zeros(shape, dtype) for _ in range(n_attn)),
@@ -78,16 +78,16 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
 
 def kv_bytes_per_block(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> int:
     """K and V bytes of one block of block_size tokens over all attention layers (quantized: codes
-    plus the block's f32 scales)."""
+    plus the f32 scale of each row)."""
     per = num_attention_layers(cfg) * cfg.num_kv_heads
     if not kv_dtype:
         return 2 * per * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
-    return per * sum(block_size * kq.code_dims(f, cfg.head_dim) * jnp.dtype(kq.code_dtype(f)).itemsize + 4
+    return per * block_size * sum(kq.code_dims(f, cfg.head_dim) * jnp.dtype(kq.code_dtype(f)).itemsize + 4
                      for f in KV_DTYPES[kv_dtype])
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> float:
-    """K and V bytes one token takes in the pool (quantized: with its share of the block scales)."""
+    """K and V bytes one token takes in the pool (quantized: with its scales)."""
     return kv_bytes_per_block(cfg, dtype, kv_dtype, block_size) / block_size
 
 
@@ -101,8 +101,8 @@ def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
                        for s, d in state_shapes(cfg, 1, dtype))
 
 
-def _attention_fns(impl: str, quantized: bool = False):
-    if impl in ("pallas", "pallas_interpret") and not quantized:  # (the kernels read no quantized pools yet)
+def _attention_fns(impl: str):
+    if impl in ("pallas", "pallas_interpret"):
         from functools import partial
         from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk
         interpret = impl == "pallas_interpret"
@@ -115,7 +115,7 @@ def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str
     """-> (attend, pools): attend(j, q, k, v) writes attention layer j's k/v [1, N, nKV, hd] into the
     pool at their slots and attends q [1, N, nH, hd] (ragged with cu_q, one token per row without);
     pools() gives the updated k, v (and scales) as PagedKV fields."""
-    decode_fn, ragged_fn = _attention_fns(attn_impl, bool(kv.kv_dtype))
+    decode_fn, ragged_fn = _attention_fns(attn_impl)
     k_pool, v_pool, k_scale, v_scale = list(kv.k), list(kv.v), list(kv.k_scale), list(kv.v_scale)
 
     def attend(j, q, k, v):
