@@ -68,6 +68,12 @@ def apply_route(a) -> None:
     a.attn_impl = "reference"
 
 
+def add_kv_dtype_arg(p):
+    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4"],
+                   help="store K and V quantized, one f32 scale per head and token (k8v4: 8-bit keys, 4-bit "
+                        "values): about half (int8, fp8) or 40%% (k8v4) of bf16's KV bytes; default: the model dtype")
+
+
 def add_engine_args(p):
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", "--max-batch", dest="max_num_seqs", type=int, default=8,
@@ -79,10 +85,7 @@ def add_engine_args(p):
     g.add_argument("--memory-fraction", type=float, default=0.9,
                    help="share of device memory for weights + KV pool + workspace (default %(default)s)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    g.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4"],
-                   help="store K and V quantized, one scale per head and block (k8v4: 8-bit keys, 4-bit values); "
-                        "default: the model dtype. In progress: attention reads them through the reference "
-                        "(jnp) path, and the SSD tier and --prefix-cache-file do not take them yet")
+    add_kv_dtype_arg(g)
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step; longer prompts are prefilled in chunks (default %(default)s)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")

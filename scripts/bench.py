@@ -15,14 +15,14 @@ import time
 
 import numpy as np
 
-from scripts._common import add_model_args, apply_route, run
+from scripts._common import add_kv_dtype_arg, add_model_args, apply_route, run
 
 
 def _ours(model, batch: int, prompt: list[int], new: int, kv_cache_gib: float | None = None,
-          max_model_len: int | None = None, attn_impl: str | None = None) -> float:
+          max_model_len: int | None = None, attn_impl: str | None = None, kv_dtype: str = "") -> float:
     from infernix_jax.engine import Engine, Request, SamplingParams
     eng = Engine(model, max_num_seqs=batch, max_model_len=max_model_len or len(prompt) + new + 16, attn_impl=attn_impl,
-                 kv_cache_gib=kv_cache_gib)
+                 kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype)
 
     def once(n):
         reqs = [Request(list(prompt), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench-out")
     from infernix_jax.quant.ggml import GGML_FORMATS
     add_model_args(p, more_weights=GGML_FORMATS)      # shapes also takes a GGUF block type (random blocks)
+    add_kv_dtype_arg(p)                               # decode and shapes
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -149,19 +150,21 @@ def main(argv=None) -> int:
                 raise ValueError(f"unknown shape {a.shape!r}; known: {', '.join(bench_shapes.PRESETS)}")
             ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
             bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
-                             ints(a.torch_batches), a.attn_impl or "pallas", a.decode_steps, a.tune, a.weights)
+                             ints(a.torch_batches), a.attn_impl or "pallas", a.decode_steps, a.tune, a.weights,
+                             a.kv_dtype or "")
             return 0
         import jax
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype, weights=a.weights)
         prompt = list(np.random.default_rng(0).integers(100, model.cfg.vocab_size - 100, a.prompt_tokens))
         prompt = [int(t) for t in prompt]
-        ours = _ours(model, a.batch, prompt, a.new_tokens, a.kv_cache_gib, a.max_model_len, a.attn_impl)
+        ours = _ours(model, a.batch, prompt, a.new_tokens, a.kv_cache_gib, a.max_model_len, a.attn_impl,
+                     a.kv_dtype or "")
         ref = None if a.no_reference else _transformers(a.model, model.path, a.batch, prompt, a.new_tokens)
         res = {"model": model.name, "dtype": a.dtype, "device": str(jax.devices()[0].device_kind),
                "cpu": platform.processor() or platform.machine(), "batch": a.batch,
                "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "jax": jax.__version__,
-               "kv_cache_gib": a.kv_cache_gib, "max_model_len": a.max_model_len,
+               "kv_cache_gib": a.kv_cache_gib, "max_model_len": a.max_model_len, "kv_dtype": a.kv_dtype or "model",
                "infernix_tok_s": round(ours, 1)}
         if ref is not None:
             res.update(transformers_tok_s=round(ref, 1), ratio=round(ours / ref, 2))

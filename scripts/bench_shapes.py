@@ -23,7 +23,7 @@ from infernix_jax.config import PRESETS
 from infernix_jax.engine import steps
 from infernix_jax.engine.sampler import SamplingArrays
 from infernix_jax.models.hybrid_paged import StateRows
-from infernix_jax.models.paged import init_paged_kv, kv_bytes_per_token, state_bytes_per_seq
+from infernix_jax.models.paged import KV_DTYPES, init_paged_kv, kv_bytes_per_token, num_attention_layers, state_bytes_per_seq
 from infernix_jax.engine.plan import params_bytes
 from infernix_jax.models.params import init_params
 from infernix_jax.quant import WEIGHT_FORMATS
@@ -100,9 +100,10 @@ def gguf_blocks(params: dict, fmt: str) -> dict:
 
 class Bench:
     def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas",
-                 weights: str | None = None):
+                 weights: str | None = None, kv_dtype: str = ""):
         self.shape, self.cfg = shape, PRESETS[shape]
-        self.suffix = f"-{weights}" if weights else ""
+        self.suffix = (f"-{weights}" if weights else "") + (f"-kv{kv_dtype}" if kv_dtype else "")
+        self.kv_dtype = kv_dtype
         self.out = out
         self.bs, self.k, self.impl = block_size, decode_steps, impl
         # other ragged-kernel tiles for attention() to time beside the default: (rows, blocks, warps, stages)
@@ -116,11 +117,12 @@ class Bench:
             self.params = with_impl(quantize_params(self.params, weights, progress=False)
                                     if weights in WEIGHT_FORMATS else gguf_blocks(self.params, weights), impl)
         self.weights_bytes = params_bytes(self.params)
-        self.per_tok = kv_bytes_per_token(self.cfg, self.dtype)
+        self.per_tok = kv_bytes_per_token(self.cfg, self.dtype, kv_dtype, block_size)
         self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state
         self.bw = copy_bandwidth()
         self.flops = matmul_flops()
-        self.results = {"shape": shape, "weights": weights or "bf16", "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        self.results = {"shape": shape, "weights": weights or "bf16", "kv_dtype": kv_dtype or "bf16",
+                        "kv_bytes_per_token": self.per_tok, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "copy_GBps": self.bw / 1e9, "matmul_TFLOPs": self.flops / 1e12, "weights_GiB": self.weights_bytes / GiB, "decode": [],
                         "prefill": [], "attention": [], "torch": []}
 
@@ -138,14 +140,15 @@ class Bench:
 
     def emit(self, kind: str, row: dict) -> None:
         self.results[kind].append(row)
-        print(json.dumps({"kind": kind, "shape": self.shape, "weights": self.results["weights"], **row}), flush=True)
+        print(json.dumps({"kind": kind, "shape": self.shape, "weights": self.results["weights"],
+                          "kv_dtype": self.results["kv_dtype"], **row}), flush=True)
         (self.out / f"bench-{self.shape}{self.suffix}.json").write_text(json.dumps(self.results, indent=1))
 
     def decode(self, B: int, ctx: int, reps: int = 5, kv_budget_gib: float = 100.0) -> None:
         M = -(-(ctx + self.k) // self.bs)
         if B * M * self.bs * self.per_tok > kv_budget_gib * GiB:
             return self.emit("decode", {"batch": B, "context": ctx, "skipped": "KV does not fit"})
-        kv = init_paged_kv(self.cfg, B * M + 1, self.bs, self.dtype, state_slots=B)
+        kv = init_paged_kv(self.cfg, B * M + 1, self.bs, self.dtype, state_slots=B, kv_dtype=self.kv_dtype)
         rows = StateRows(jnp.arange(B, dtype=jnp.int32), jnp.arange(B, dtype=jnp.int32), jnp.zeros((B,), bool)) \
             if self.cfg.layer_types else None
         bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
@@ -174,7 +177,7 @@ class Bench:
         """One n-token prompt, fed as the engine feeds it: chunks of at most `chunk` tokens, each
         step attending to the KV (and, in hybrids, continuing the state) of the ones before."""
         M = -(-n // self.bs)
-        state = {"kv": init_paged_kv(self.cfg, M + 1, self.bs, self.dtype, state_slots=1)}
+        state = {"kv": init_paged_kv(self.cfg, M + 1, self.bs, self.dtype, state_slots=1, kv_dtype=self.kv_dtype)}
         i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
         calls = []
         for a in range(0, n, chunk):
@@ -243,6 +246,14 @@ class Bench:
                                     "cudnn_ms": t_cudnn and round(t_cudnn * 1e3, 3),
                                     "vs_cudnn": t_cudnn and round(t_cudnn / t_ours, 3),
                                     "of_copy_bw": round(kv_bytes / t_ours / self.bw, 3)})
+            for kv_dtype in KV_DTYPES:     # the same decode on quantized pools: time against bf16's
+                pools, quant = quantized_pools(kp, vp, kv_dtype)
+                t_q = timed(lambda: paged_decode_attention(q, *pools, bt, lens, **quant).block_until_ready(), 10)
+                q_bytes = B * C * kv_bytes_per_token(cfg, self.dtype, kv_dtype, bs) / num_attention_layers(cfg)
+                self.emit("attention", {"kind": "decode", "batch": B, "context": C, "kv_dtype": kv_dtype,
+                                        "ours_ms": round(t_q * 1e3, 3), "vs_bf16_kv": round(t_ours / t_q, 3),
+                                        "bytes_vs_bf16_kv": round(kv_bytes / q_bytes, 3),
+                                        "of_copy_bw": round(q_bytes / t_q / self.bw, 3)})
 
     def torch_static(self, B: int, ctx: int, new: int = 32) -> None:
         try:
@@ -372,11 +383,23 @@ class Bench:
         fig.savefig(self.out / f"bench-{self.shape}{self.suffix}.png", dpi=110)
 
 
+def quantized_pools(kp, vp, kv_dtype: str):
+    """bf16 pools [nKV, P, bs, hd] quantized as --kv-dtype stores them -> ((k codes, v codes),
+    {k_scale, v_scale, fmts}) for the attention kernels."""
+    from pallas_kernels import kv_quant
+    fmts = KV_DTYPES[kv_dtype]
+    out = []
+    for x, f in zip((kp, vp), fmts):
+        s = kv_quant.row_scale(x.astype(jnp.float32), f)
+        out.append((kv_quant.encode(x.astype(jnp.float32), s, f), s))
+    return (out[0][0], out[1][0]), dict(k_scale=out[0][1], v_scale=out[1][1], fmts=fmts)
+
+
 def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torch_batches, impl: str,
-        decode_steps: int, tune: bool = False, weights: str | None = None) -> dict:
+        decode_steps: int, tune: bool = False, weights: str | None = None, kv_dtype: str = "") -> dict:
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
-    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights)
+    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights, kv_dtype=kv_dtype)
     print(json.dumps({"shape": shape, "copy_GBps": round(b.bw / 1e9, 1), "weights_GiB": round(b.weights_bytes / GiB, 2)}),
           flush=True)
     if tune:
