@@ -150,8 +150,6 @@ def engine_kwargs(a) -> dict:
         raise ValueError("--ssd-context-gib needs --ssd-context-dir DIR")
     if a.state_snapshots is not None and a.state_snapshots < 0:
         raise ValueError("--state-snapshots must be >= 0")
-    if a.kv_dtype and (a.ssd_context_gib > 0 or a.prefix_cache_file):
-        raise ValueError("--kv-dtype does not work with the SSD tier or --prefix-cache-file yet (issue 7)")
     return dict(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,
                 prefix_cache=not a.no_prefix_cache, prefix_cache_ram_gib=a.prefix_cache_ram_gib,
                 ram_resize=a.ram_resize, state_snapshots=a.state_snapshots, ssd_context_gib=a.ssd_context_gib,

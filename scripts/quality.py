@@ -1,15 +1,16 @@
 """infernix-quality: what each route costs in output, measured against the exact route.
 
   infernix-quality --text FILE [--model M] [--route default,lossless] [--weights none,int8,int4,...]
-                   [--ctx 512] [--max-tokens 4096] [--json OUT]
+                   [--kv-dtype none,int8,fp8,k8v4] [--ctx 512] [--max-tokens 4096] [--json OUT]
 
 The text is cut into windows of --ctx tokens. The reference is the lossless route (float32, full
 f32 matmuls, reference kernels) of the model as loaded; every route x weight format is compared
 with it on the second half of each window: mean KL divergence, its 99th and 99.9th percentiles and
 maximum, how often the most likely next token is the same, and the perplexity ratio on the text.
-Each format also gets its honest-rounding floor: the KL of the reference with its weights rounded to
-the format's values with exact scales and nothing else changed (infernix_jax/quant/quality.py), and
-each route's mean KL over that floor. Prints a table and writes the numbers as JSON."""
+Each format x KV dtype also gets its honest-rounding floor: the KL of the lossless route with the
+weights rounded to the format's values with exact scales and K/V rounded to nearest with an exact
+f32 scale per head and token (what --kv-dtype stores), nothing else changed
+(infernix_jax/quant/quality.py), and each route's mean KL over that floor. Prints a table and writes the numbers as JSON."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
                    help="routes to measure, comma-separated: default (what infernix-serve runs), lossless")
     p.add_argument("--weights", default="none," + ",".join(FORMATS),
                    help=f"weight formats, comma-separated: none (as loaded) or any of {', '.join(FORMATS)}")
+    p.add_argument("--kv-dtype", default="none",
+                   help="KV cache dtypes, comma-separated: none (the route's compute dtype), int8, fp8, k8v4")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the default route's compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per window (default %(default)s)")
@@ -53,13 +56,20 @@ def main(argv=None) -> int:
         if not fmts or bad:
             raise ValueError(f"unknown --weights {', '.join(sorted(bad)) or '(none given)'}; "
                              f"choose from none, {', '.join(FORMATS)}")
+        from infernix_jax.models.paged import KV_DTYPES
+        kvs = [k for k in a.kv_dtype.split(",") if k]
+        bad = set(kvs) - set(KV_DTYPES) - {"none"}
+        if not kvs or bad:
+            raise ValueError(f"unknown --kv-dtype {', '.join(sorted(bad)) or '(none given)'}; "
+                             f"choose from none, {', '.join(KV_DTYPES)}")
         if a.ctx < 16 or a.max_tokens < 16:
             raise ValueError("--ctx and --max-tokens must be >= 16")
         if a.chunk < 0:
             raise ValueError(f"--chunk must be >= 0, got {a.chunk}")
         with open(a.text, encoding="utf-8") as f:
             text = f.read()
-        res = measure(a.model, text, routes, fmts, a.dtype, a.ctx, a.max_tokens, a.chunk)
+        res = measure(a.model, text, routes, fmts, a.dtype, a.ctx, a.max_tokens, a.chunk,
+                      ["" if k == "none" else k for k in kvs])
         res["text"] = a.text
         print(table(res))
         with open(a.json, "w", encoding="utf-8") as f:
@@ -96,7 +106,7 @@ def keep(windows, spill: str) -> list:
 
 
 def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtype: str | None, ctx: int,
-            max_tokens: int, chunk: int = 0) -> dict:
+            max_tokens: int, chunk: int = 0, kv_dtypes: list[str] = ("",)) -> dict:
     import jax
     from infernix_jax.loader import DTYPES, load_model
     from infernix_jax.quant import quality as ql
@@ -115,11 +125,12 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
     dt = DTYPES[dtype or ("bfloat16" if on_gpu else "float32")]
     cfg, f32 = model.cfg, DTYPES["float32"]
 
-    def logprobs(params, route: str, dtype_, impl: str):
+    def logprobs(params, route: str, dtype_, impl: str, kv: str = ""):
         """Each window's scored log-probs, one window at a time (a generator)."""
         for w in wins:
             with jax.default_matmul_precision("highest") if route == "lossless" else contextlib.nullcontext():
-                lp = ql.window_logprobs(params, cfg, w, dtype_, impl, chunk=chunk if route == "default" else 0)
+                lp = ql.window_logprobs(params, cfg, w, dtype_, impl, chunk=chunk if route == "default" else 0,
+                                        kv_dtype=kv)
             yield ql.scored(lp, w).copy()          # (not a view: the window's other rows go)
 
     with tempfile.TemporaryDirectory(prefix="infernix-quality-") as spill:
@@ -129,35 +140,38 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
                "default_chunk": chunk,
                "default_dtype": str(dt.__name__),
                "reference": "lossless route, weights as loaded", "rows": []}
-        floors = {}
         for fmt in fmts:
-            if fmt != "none":
-                floor = ql.compare(ref, logprobs(ql.honest_params(model.params, fmt), "lossless", f32, "reference"), wins)
-                floors[fmt] = floor
-                res["rows"].append({"route": "honest rounding", "weights": fmt, **floor.row()})
-            for route in routes:
-                lossless = route == "lossless"
-                base = model.params if lossless else _cast(model.params, dt)
-                params = base if fmt == "none" else quantize_params(base, fmt, progress=False)
-                impl = "reference" if lossless or not on_gpu else "pallas"
-                st = ql.compare(ref, logprobs(with_impl(params, impl), route, f32 if lossless else dt, impl), wins)
-                row = {"route": route, "weights": fmt, **st.row()}
-                if fmt in floors and floors[fmt].mean_kl > 0:
-                    row["of_honest"] = round(st.mean_kl / floors[fmt].mean_kl, 3)
-                res["rows"].append(row)
+            honest = None if fmt == "none" else ql.honest_params(model.params, fmt)
+            for kv in kv_dtypes:
+                name = dict(weights=fmt, kv_dtype=kv or "model")
+                floor = None
+                if fmt != "none" or kv:          # (weights as loaded, KV in the model dtype: the reference)
+                    floor = ql.compare(ref, logprobs(honest or model.params, "lossless", f32, "reference", kv), wins)
+                    res["rows"].append({"route": "honest rounding", **name, **floor.row()})
+                for route in routes:
+                    lossless = route == "lossless"
+                    base = model.params if lossless else _cast(model.params, dt)
+                    params = base if fmt == "none" else quantize_params(base, fmt, progress=False)
+                    impl = "reference" if lossless or not on_gpu else "pallas"
+                    st = ql.compare(ref, logprobs(with_impl(params, impl), route, f32 if lossless else dt, impl, kv),
+                                    wins)
+                    row = {"route": route, **name, **st.row()}
+                    if floor is not None and floor.mean_kl > 0:
+                        row["of_honest"] = round(st.mean_kl / floor.mean_kl, 3)
+                    res["rows"].append(row)
         res["scored_tokens"] = res["rows"][0]["tokens"]         # every comparison scores the same positions
         res["seconds"] = round(time.perf_counter() - t0, 1)
         return res
 
 
 def table(res: dict) -> str:
-    head = f"{'route':<16} {'weights':<8} {'mean KL':>9} {'p99 KL':>9} {'p99.9 KL':>9} {'same top':>9} " \
+    head = f"{'route':<16} {'weights':<8} {'KV':<6} {'mean KL':>9} {'p99 KL':>9} {'p99.9 KL':>9} {'same top':>9} " \
            f"{'ppl ratio':>9} {'x honest':>9}"
     lines = [f"{res['model']}: {res['scored_tokens']} tokens scored in {res['windows']} windows of {res['ctx']}; "
              f"reference: {res['reference']}", head, "-" * len(head)]
     for r in res["rows"]:
         ratio = f"{r['of_honest']:.2f}" if "of_honest" in r else "-"
-        lines.append(f"{r['route']:<16} {r['weights']:<8} {r['mean_kl']:>9.5f} {r['p99_kl']:>9.5f} {r['p999_kl']:>9.5f} "
+        lines.append(f"{r['route']:<16} {r['weights']:<8} {r.get('kv_dtype', 'model'):<6} {r['mean_kl']:>9.5f} {r['p99_kl']:>9.5f} {r['p999_kl']:>9.5f} "
                      f"{100 * r['same_top']:>8.1f}% {r['ppl_ratio']:>9.4f} {ratio:>9}")
     return "\n".join(lines)
 

@@ -117,8 +117,6 @@ def test_an_engine_on_quantized_kv_is_deterministic_and_planned_smaller(smollm):
     assert e.plan.kv_bytes_per_token < 0.3 * plain.plan.kv_bytes_per_token          # f32 model: 4 -> ~1 byte
     with pytest.raises(ValueError, match="unknown --kv-dtype"):
         Engine(smollm, max_num_seqs=1, max_model_len=64, kv_dtype="int3")
-    with pytest.raises(ValueError, match="SSD tier"):
-        Engine(smollm, max_num_seqs=1, max_model_len=64, kv_dtype="int8", prefix_cache_file="/tmp/x.npz")
 
 
 def test_k8v4_blocks_of_two_sizes_stack_into_pieces():

@@ -336,14 +336,15 @@ def test_ssd_write_budget_holds_and_the_ring_wraps(tmp_path):
     ssd.close()
 
 
-@pytest.mark.parametrize("disk", ["fast", "slow"])
-def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path, disk):
+@pytest.mark.parametrize("disk,kv_dtype", [("fast", ""), ("slow", ""), ("fast", "int8"), ("fast", "k8v4")])
+def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path, disk, kv_dtype):
+    from infernix_jax.models.paged import kv_bytes_per_block
     system, prompts = texts
-    per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
+    per_block = kv_bytes_per_block(tiny.cfg, tiny.dtype, kv_dtype, 16)
     eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
                  kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB,
-                 ssd_context_gib=0.01, ssd_context_dir=str(tmp_path))
-    want = uncached(tiny, prompts[:2])
+                 ssd_context_gib=0.01, ssd_context_dir=str(tmp_path), kv_dtype=kv_dtype)
+    want = uncached(tiny, prompts[:2], kv_dtype=kv_dtype)
     assert run(eng, prompts[:1])[0].token_ids == want[0]
     rng = np.random.default_rng(9)
     for _ in range(3):                             # device -> RAM (2 blocks) -> SSD
@@ -410,17 +411,25 @@ def test_costs_read_the_disk_only_when_it_beats_computing():
     assert c.disk_pays(10 ** 9, 1000)
 
 
-def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog, kv_dtype):
     _, prompts = texts
     path = str(tmp_path / "cache.npz")
-    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=2, prefix_cache_file=path)
+    eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=2, prefix_cache_file=path,
+                 kv_dtype=kv_dtype)
     first = run(eng, prompts[2:3])[0]
     eng.close()
-    again = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=2, prefix_cache_file=path)
+    again = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=2, prefix_cache_file=path,
+                   kv_dtype=kv_dtype)
     assert len(again.cache.host) > 0
     got = run(again, prompts[2:3])[0]
     assert got.token_ids == first.token_ids and got.cached_tokens == len(prompts[2]) - 1
     again.close()
+    if kv_dtype:                 # the file of one KV format is not read as another's
+        with caplog.at_level(logging.WARNING, logger="infernix.cache"):
+            plain = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, prefix_cache_file=path)
+            assert len(plain.cache.host) == 0 and "ignored" in caplog.text
+        return
     with caplog.at_level(logging.WARNING, logger="infernix.cache"):
         other = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, block_size=8, prefix_cache_file=path)
         assert len(other.cache.host) == 0 and "ignored" in caplog.text          # stale: another block size

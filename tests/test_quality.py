@@ -56,11 +56,12 @@ def test_quality_cli_measures_routes_and_floors(smollm, tmp_path, capsys):
                     "natural harbours of Europe. Its basin drains much of the central plateau.")
     out = tmp_path / "q.json"
     assert main(["--text", str(text), "--weights", "none,int8,nvfp4", "--route", "default,lossless",
-                 "--ctx", "32", "--json", str(out)]) == 0
+                 "--kv-dtype", "none,k8v4", "--ctx", "32", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "honest rounding" in table and "x honest" in table
     res = json.loads(out.read_text())
-    rows = {(r["route"], r["weights"]): r for r in res["rows"]}
+    rows = {(r["route"], r["weights"]): r for r in res["rows"] if r["kv_dtype"] == "model"}
+    kv = {(r["route"], r["weights"]): r for r in res["rows"] if r["kv_dtype"] == "k8v4"}
     assert res["windows"] >= 1 and res["scored_tokens"] > 10
     for route in ("default", "lossless"):
         assert rows[(route, "none")]["mean_kl"] == 0 and rows[(route, "none")]["same_top"] == 1
@@ -68,12 +69,17 @@ def test_quality_cli_measures_routes_and_floors(smollm, tmp_path, capsys):
     assert rows[("lossless", "int8")]["of_honest"] == pytest.approx(1.0, abs=0.02)
     assert 0 < rows[("honest rounding", "int8")]["mean_kl"] < rows[("honest rounding", "nvfp4")]["mean_kl"]
     assert rows[("default", "nvfp4")]["of_honest"] > 0
+    # k8v4 KV rounds each K/V row to nearest with an exact f32 scale: its own floor, and it costs
+    # something on top of the weights' rounding
+    assert kv[("lossless", "none")]["of_honest"] == pytest.approx(1.0, abs=1e-6)
+    assert 0 < kv[("lossless", "none")]["mean_kl"] and kv[("lossless", "int8")]["mean_kl"] > rows[("lossless", "int8")]["mean_kl"]
 
 
 @pytest.mark.parametrize("args, msg", [
     (["--text", "/nonexistent.txt"], "No such file"),
     (["--text", "README.md", "--weights", "int3"], "unknown --weights int3"),
     (["--text", "README.md", "--route", "fast"], "--route takes default and/or lossless"),
+    (["--text", "README.md", "--kv-dtype", "int2"], "unknown --kv-dtype int2"),
     (["--text", "README.md", "--ctx", "4"], "--ctx and --max-tokens must be >= 16"),
 ])
 def test_quality_cli_bad_input_is_one_line(args, msg, capsys):

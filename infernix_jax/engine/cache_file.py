@@ -63,8 +63,10 @@ def _savable(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
 
 
-def load(path: str, fp: dict, dtype) -> dict | None:
-    """The saved cache, or None (with a log line) when there is none or it does not match."""
+def load(path: str, fp: dict, dtype, block_dtype=None) -> dict | None:
+    """The saved cache, or None (with a log line) when there is none or it does not match. dtype:
+    the model's; block_dtype: the KV blocks' when it differs (quantized KV travels as uint8 bytes)."""
+    block_dtype = dtype if block_dtype is None else block_dtype
     if not os.path.exists(path):
         return None
     try:
@@ -78,7 +80,7 @@ def load(path: str, fp: dict, dtype) -> dict | None:
             if meta["keys"]:
                 lens = z["tok_len"]
                 starts = np.concatenate([[0], np.cumsum(lens)])
-                toks, k, v = z["tokens"], _typed(z["k"], dtype), _typed(z["v"], dtype)
+                toks, k, v = z["tokens"], _typed(z["k"], block_dtype), _typed(z["v"], block_dtype)
                 for i, (key, parent) in enumerate(zip(meta["keys"], meta["parents"])):
                     out["blocks"].append((int(key), int(parent), tuple(toks[starts[i]:starts[i + 1]].tolist()),
                                           k[i], v[i]))

@@ -63,8 +63,6 @@ class Engine:
                  kv_dtype: str = ""):
         from ..models.paged import check_kv_dtype
         check_kv_dtype(kv_dtype)                  # before the plan sizes a pool for it
-        if kv_dtype and (ssd_context_gib > 0 or prefix_cache_file):
-            raise ValueError("--kv-dtype does not work with the SSD tier or --prefix-cache-file yet (issue 7)")
         self.kv_dtype = kv_dtype
         self.model = model
         self.cfg = model.cfg
@@ -138,21 +136,22 @@ class Engine:
         cfg, bs = self.cfg, self.bm.block_size
         ssd = None
         if ssd_gib > 0:
+            from ..models.kv_blocks import host_block_layout
             from ..models.paged import num_attention_layers
-            shape = (num_attention_layers(cfg), cfg.num_kv_heads, bs, cfg.head_dim)
+            k_shape, v_shape, block_dtype = host_block_layout(cfg, bs, self.model.dtype, self.kv_dtype)
             layout = None
             if self.hybrid:             # one snapshot: conv and ssm of each linear layer
                 from ..models.hybrid import state_shapes
                 (cs, cd), (ss, sd) = state_shapes(cfg, 1, self.model.dtype)
                 n_lin = cfg.num_layers - num_attention_layers(cfg)
                 layout = ([(cs[1:], cd)] * n_lin, [(ss[1:], sd)] * n_lin)
-            ssd = SSDTier(ssd_dir, int(ssd_gib * GiB), ssd_per_hour, block_shape=shape, dtype=self.model.dtype,
-                          state_layout=layout)
+            ssd = SSDTier(ssd_dir, int(ssd_gib * GiB), ssd_per_hour, block_shape=k_shape, v_shape=v_shape,
+                          dtype=block_dtype, state_layout=layout)
         cache = PrefixCache(self.bm, host, self.snapshots, self.hybrid,
                             block_bytes=self.plan.block_bytes, ssd=ssd)
         self.cache_file = path
         if path:
-            n = cache.load(path, self.fingerprint, self.model.dtype)
+            n = cache.load(path, self.fingerprint, self.model.dtype, np.uint8 if self.kv_dtype else None)
             if n:
                 log.info("prefix cache: %d blocks loaded from %s", n, path)
         return cache

@@ -381,9 +381,11 @@ class PrefixCache:
         snaps = list(self.snapshots.items()) if self.snapshots is not None else []
         return cache_file.save(path, fp, blocks, snaps, self.ssd.state() if self.ssd is not None else None)
 
-    def load(self, path: str, fp: dict, dtype) -> int:
-        """Take back what save() wrote (into the RAM tier); returns the blocks loaded."""
-        saved = cache_file.load(path, fp, dtype)
+    def load(self, path: str, fp: dict, dtype, block_dtype=None) -> int:
+        """Take back what save() wrote (into the RAM tier); returns the blocks loaded. dtype: the
+        model's (hybrids' conv states); block_dtype: the blocks' (default dtype; uint8 bytes for
+        quantized KV)."""
+        saved = cache_file.load(path, fp, dtype, block_dtype)
         if saved is None:
             return 0
         if self.ssd is not None and saved["ssd"]:        # first: what the RAM store gives up below goes there

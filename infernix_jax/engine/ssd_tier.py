@@ -59,7 +59,8 @@ class _SnapEntry:
 
 class SSDTier:
     def __init__(self, directory: str, capacity_bytes: int, gib_per_hour: float = 8.0, *,
-                 block_shape: tuple, dtype, state_layout=None, clock=time.monotonic):
+                 block_shape: tuple, dtype, v_shape: tuple | None = None, state_layout=None,
+                 clock=time.monotonic):
         if capacity_bytes <= 0:
             raise ValueError("--ssd-context-gib must be > 0")
         if gib_per_hour <= 0:
@@ -67,7 +68,10 @@ class SSDTier:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, "infernix-prefix-cache.bin")
         self.capacity = int(capacity_bytes)
-        self.block_shape = tuple(block_shape)          # [L, nKV, bs, hd] of k (and of v)
+        # a block's k and v as the RAM tier holds them: [L, nKV, bs, hd] in the model dtype, or
+        # quantized (--kv-dtype) [L, nKV, R] uint8 rows, K8V4's values narrower than its keys
+        self.block_shape = tuple(block_shape)
+        self.v_shape = tuple(v_shape or block_shape)
         self.dtype = np.dtype(dtype)
         # hybrids: ([(shape, dtype)] of conv, [(shape, dtype)] of ssm) of one snapshot
         self.state_layout = state_layout
@@ -255,11 +259,11 @@ class SSDTier:
         if key & SNAP:
             return self._parse_snapshot(raw, nt)
         n = int(np.prod(self.block_shape)) * self.dtype.itemsize
-        if len(raw) != 2 * n:
+        if len(raw) != n + int(np.prod(self.v_shape)) * self.dtype.itemsize:
             return None
         tokens = tuple(np.frombuffer(rec[HEADER.size:o], np.int32).tolist())
         k = np.frombuffer(raw[:n], self.dtype).reshape(self.block_shape)
-        v = np.frombuffer(raw[n:], self.dtype).reshape(self.block_shape)
+        v = np.frombuffer(raw[n:], self.dtype).reshape(self.v_shape)
         return DiskEntry(key, int.from_bytes(pb, "little"), tokens, k, v)
 
     def _parse_snapshot(self, raw: bytes, num_tokens: int):

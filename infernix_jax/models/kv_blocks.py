@@ -37,6 +37,19 @@ def exact_pieces(n: int):
         lo += size
 
 
+def host_block_layout(cfg, block_size: int, dtype, kv_dtype: str = ""):
+    """-> (k shape, v shape, dtype) of one block as read_blocks hands it to the host tiers:
+    [L, nKV, bs, hd] in the model dtype, or quantized [L, nKV, R] uint8 (codes, then scales)."""
+    from pallas_kernels import kv_quant
+    from .paged import KV_DTYPES, num_attention_layers
+    L, nKV = num_attention_layers(cfg), cfg.num_kv_heads
+    if not kv_dtype:
+        return (L, nKV, block_size, cfg.head_dim), (L, nKV, block_size, cfg.head_dim), np.dtype(dtype)
+    k, v = ((L, nKV, block_size * (kv_quant.code_dims(f, cfg.head_dim) * jnp.dtype(kv_quant.code_dtype(f)).itemsize + 4))
+            for f in KV_DTYPES[kv_dtype])
+    return k, v, np.dtype(np.uint8)
+
+
 def _to_bytes(codes, scale):
     """codes [nKV, n, bs, hd'], scale [nKV, n, bs] -> [nKV, n, R] uint8 (codes' bytes, then the scales')."""
     nKV, n, _ = scale.shape
