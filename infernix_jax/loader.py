@@ -106,13 +106,14 @@ def _load_converted(path: Path, dtype: str, with_tokenizer: bool, weights: str |
     return cfg, params, tok, generation_config.from_hf_dir(path), stored
 
 
-def stored_route(spec: str) -> tuple[str | None, str]:
-    """(dtype, weight format) a converted checkpoint was written with; (None, "") for other models."""
+def stored_route(spec: str) -> tuple[str | None, str, str]:
+    """(dtype, weight format, default KV dtype) a converted checkpoint was written with; (None, "", "")
+    for other models."""
     p = Path(spec).expanduser()
     if spec not in ALIASES and is_converted(p):
         m = read_manifest(p)
-        return m.get("dtype"), m.get("weights", "")
-    return None, ""
+        return m.get("dtype"), m.get("weights", ""), m.get("kv_dtype", "")
+    return None, "", ""
 
 
 def load_config(spec: str) -> ModelConfig:

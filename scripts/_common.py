@@ -51,14 +51,19 @@ def apply_route(a) -> None:
     """Settle how the model runs (call once, right after parsing, before any model is loaded): the
     dtype (a converted checkpoint's own unless --dtype says otherwise) and --lossless, checked
     against the other flags, with JAX set up for it. a.stored_weights: a converted checkpoint's
-    weight format ("" otherwise)."""
+    weight format ("" otherwise); a command with --kv-dtype takes the checkpoint's default KV dtype
+    when none is given (not under --lossless: quantized KV is a lossy route)."""
     from infernix_jax.loader import stored_route
     lossless = getattr(a, "lossless", False)
     if lossless and a.dtype not in (None, "float32"):
         raise ValueError(f"--lossless computes in float32: drop --dtype {a.dtype}")
-    stored_dtype, a.stored_weights = stored_route(a.model)
+    stored_dtype, a.stored_weights, stored_kv = stored_route(a.model)
     if a.dtype is None:
         a.dtype = "float32" if lossless else (stored_dtype or "float32")
+    if lossless and getattr(a, "kv_dtype", None):
+        raise ValueError(f"--lossless keeps K and V in float32: drop --kv-dtype {a.kv_dtype}")
+    if hasattr(a, "kv_dtype") and a.kv_dtype is None and not lossless:
+        a.kv_dtype = stored_kv or None
     if not lossless:
         return
     if getattr(a, "attn_impl", None) not in (None, "reference"):

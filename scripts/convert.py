@@ -25,13 +25,18 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the tensors that stay unquantized (default %(default)s)")
 
+    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4"],
+                   help="the KV cache dtype the checkpoint is served with by default (its manifest says so; "
+                        "infernix-serve --kv-dtype overrides it); default: the model dtype")
+
     def go():
         a = p.parse_args(argv)
         from infernix_jax.weights.converted import convert
-        m = convert(a.src, a.dst, weights=a.weights, dtype=a.dtype)
+        m = convert(a.src, a.dst, weights=a.weights, dtype=a.dtype, kv_dtype=a.kv_dtype or "")
         n = len(m["tensors"])
         print(f"infernix-convert: wrote {a.dst}: {n} tensors, {m['total_bytes'] / 2**30:.2f} GiB "
-              f"({m['weights'] or m['dtype']} projections) in {m['seconds']} s; serve it with "
+              f"({m['weights'] or m['dtype']} projections{', KV ' + m['kv_dtype'] if m['kv_dtype'] else ''}) in "
+              f"{m['seconds']} s; serve it with "
               f"infernix-serve --model {a.dst}")
 
     return run("infernix-convert", go)

@@ -12,7 +12,7 @@ import sys
 
 from tqdm import tqdm
 
-from scripts._common import add_model_args, apply_route, run
+from scripts._common import add_kv_dtype_arg, add_model_args, apply_route, run
 
 SAMPLING_FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
                    "seed": int, "stop": (str, list)}
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
+    add_kv_dtype_arg(p)
     p.add_argument("--input", required=True, help="JSONL file of prompts")
     p.add_argument("--output", required=True, help="JSONL file to write")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* metadata)")
         engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len,
-                        attn_impl=getattr(a, "attn_impl", None))
+                        attn_impl=getattr(a, "attn_impl", None), kv_dtype=a.kv_dtype or "")
         items = []  # (line dict, Request | None, error)
         for n, ln in enumerate(raw_lines, 1):
             try:

@@ -37,6 +37,14 @@ def test_generate_jsonl(tmp_path, smollm):
     assert recs[5]["completion_tokens"] == 6 and "error" not in recs[5]
 
 
+def test_generate_on_quantized_kv(tmp_path, smollm):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "\n")
+    assert generate.main(["--input", str(inp), "--output", str(out), "--max-tokens", "12", "--kv-dtype", "int8"]) == 0
+    rec = json.loads(out.read_text())
+    assert "error" not in rec and "Paris" in rec["text"]
+
+
 def test_score_npz(tmp_path, smollm, smollm_engine):
     from infernix_jax.engine import Request, SamplingParams
     tok = smollm.tokenizer
@@ -116,6 +124,9 @@ def test_serve_plan_prints_the_allocation_without_loading(smollm):
     assert "KV per token:       45.0 KiB" in r.stdout and "KV pool:            0.50 GiB" in r.stdout
     assert "weights:" in r.stdout and "max tokens cached:  11648" in r.stdout
     assert "prefix cache:       device blocks" in r.stdout
+    k = run_cli("scripts.serve", "--plan", "--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-gib", "0.5",
+                "--kv-dtype", "k8v4")                         # 30 layers x 3 heads x (64 + 32 codes + 2 scales)
+    assert k.returncode == 0 and "KV per token:       9.1 KiB" in k.stdout, k.stdout
     bad = run_cli("scripts.serve", "--plan", "--max-num-seqs", "0")
     assert bad.returncode == 2 and "max-num-seqs" in bad.stderr and "Traceback" not in bad.stderr
     for flags, msg in ((["--ssd-context-gib", "1"], "needs --ssd-context-dir"),

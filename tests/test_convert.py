@@ -21,10 +21,11 @@ def leaves(params):
 
 @pytest.fixture(scope="module")
 def converted(smollm, tmp_path_factory):
-    """SmolLM2 converted as float32 with nothing quantized, and with nvfp4 projections."""
+    """SmolLM2 converted as float32 with nothing quantized, and with nvfp4 projections (served with
+    K8V4 KV by default)."""
     root = tmp_path_factory.mktemp("converted")
     out = {}
-    for name, extra in (("plain", []), ("nvfp4", ["--weights", "nvfp4"])):
+    for name, extra in (("plain", []), ("nvfp4", ["--weights", "nvfp4", "--kv-dtype", "k8v4"])):
         assert convert_main([str(smollm.path), str(root / name), "--dtype", "float32", *extra]) == 0
         out[name] = root / name
     return out
@@ -65,6 +66,23 @@ def test_every_quantized_array_kind_survives(smollm, tmp_path, fmt):
     for a, b in zip(leaves(got), leaves(want), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_default_kv_dtype_of_a_checkpoint(converted):
+    import argparse
+    from scripts._common import add_engine_args, add_model_args, apply_route
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_engine_args(p)
+    route = lambda *args: (apply_route(a := p.parse_args(["--model", str(converted["nvfp4"]), *args])), a)[1]  # noqa: E731
+    assert route().kv_dtype == "k8v4"                                   # the manifest's default
+    assert route("--kv-dtype", "int8").kv_dtype == "int8"              # the flag wins
+    assert not route("--lossless").kv_dtype                             # lossless keeps KV exact
+    with pytest.raises(ValueError, match="--lossless keeps K and V in float32"):
+        route("--lossless", "--kv-dtype", "fp8")
+    plain = p.parse_args(["--model", str(converted["plain"])])
+    apply_route(plain)
+    assert plain.kv_dtype is None
 
 
 def test_a_converted_model_serves_and_answers(converted, tmp_path_factory):
@@ -116,6 +134,11 @@ def test_damaged_incomplete_and_mismatched_checkpoints_are_clear_errors(converte
     man["config"]["rope_theta"] = 1.0                       # an edited config
     (odd / "infernix.json").write_text(json.dumps(man))
     with pytest.raises(ModelLoadError, match="config fails its checksum"):
+        load_model(str(odd))
+    man["config"]["rope_theta"] = 100000.0
+    man["kv_dtype"] = "int3"
+    (odd / "infernix.json").write_text(json.dumps(man))
+    with pytest.raises(ModelLoadError, match="unknown default KV dtype 'int3'"):
         load_model(str(odd))
     man["version"] = 99
     (odd / "infernix.json").write_text(json.dumps(man))

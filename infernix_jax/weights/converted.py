@@ -142,6 +142,10 @@ def read_manifest(path: Path) -> dict:
             or m.get("weights", "") not in ("", *WEIGHT_FORMATS):
         raise ModelLoadError(f"{path}/{MANIFEST} lacks a config, a tensor list or a known weight format: "
                              f"convert the model again")
+    from ..models.paged import KV_DTYPES
+    if m.get("kv_dtype", "") not in ("", *KV_DTYPES):
+        raise ModelLoadError(f"{path}/{MANIFEST}: unknown default KV dtype {m.get('kv_dtype')!r}; "
+                             f"choose one of {', '.join(KV_DTYPES)} (or none)")
     if m.get("config_blake2b") != _config_digest(m["config"]):
         raise ModelLoadError(f"{path}/{MANIFEST}: the model config fails its checksum (edited or damaged); "
                              f"convert the model again")
@@ -230,13 +234,16 @@ def _load_parts(ocp, ck, path: Path, m: dict, cfg: ModelConfig, dtype, progress:
 
 
 def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str = "bfloat16",
-            progress: bool = True) -> dict:
+            progress: bool = True, kv_dtype: str = "") -> dict:
     """Convert a model (alias, HF directory or GGUF file) into dst, a layer at a time: read the
-    layer's tensors, quantize its projections to `weights`, save, let go. Returns the manifest."""
+    layer's tensors, quantize its projections to `weights`, save, let go. kv_dtype: the KV cache
+    dtype the manifest names as the checkpoint's default. Returns the manifest."""
     from ..hub import resolve
     from ..loader import DTYPES, source_of
+    from ..models.paged import check_kv_dtype
     from ..quant import check_weights
     check_weights(weights, dtype)
+    check_kv_dtype(kv_dtype)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     src_path = resolve(spec)
@@ -255,7 +262,8 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
     tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
     ocp, ck = _ckpt()
     try:
-        manifest = _convert_into(ck, tmp, src_path, cfg, specs, fetch, keep, tok, gen, weights, dtype, progress)
+        manifest = _convert_into(ck, tmp, src_path, cfg, specs, fetch, keep, tok, gen, weights, dtype, progress,
+                                 kv_dtype)
         if dst.exists():
             dst.rmdir()
         tmp.rename(dst)           # the directory appears whole or not at all
@@ -268,7 +276,7 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
 
 
 def _convert_into(ck, tmp: Path, src_path: Path, cfg, specs, fetch, keep, tok, gen, weights, dtype,
-                  progress) -> dict:
+                  progress, kv_dtype: str = "") -> dict:
     from ..loader import DTYPES
     from ..quant.apply import quantize_layer
     from .common import materialize
@@ -288,7 +296,7 @@ def _convert_into(ck, tmp: Path, src_path: Path, cfg, specs, fetch, keep, tok, g
     total = sum(e.get("bytes", 0) + sum(a["bytes"] for a in e.get("arrays", {}).values()) for e in tensors.values())
     config = dataclasses.asdict(cfg)
     manifest = {"format": FORMAT, "version": VERSION, "source": str(src_path), "dtype": dtype,
-                "weights": weights or "", "config": config, "config_blake2b": _config_digest(config),
+                "weights": weights or "", "kv_dtype": kv_dtype, "config": config, "config_blake2b": _config_digest(config),
                 "total_bytes": total, "seconds": round(time.perf_counter() - t0, 1), "tensors": tensors}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
