@@ -66,6 +66,8 @@ def _tile(c, fmt: str, dtype) -> list:
         return [c]
     if fmt == "int4":
         return [((x.astype(jnp.int32) - 8).astype(jnp.float32)).astype(dtype) for x in (c & 0xF, c >> 4)]
+    # (through f32: casting int8 / e4m3 straight to bf16 was up to 1.4x slower on the H200,
+    # docs/bench/2026-12-04-kv-decode-cast-experiment.json)
     return [c.astype(jnp.float32).astype(dtype)]
 
 
