@@ -92,7 +92,7 @@ def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtyp
         np.testing.assert_array_equal(bits(c[:, 3]), bits(a[:, 1]))
 
 
-@pytest.mark.parametrize("kv_dtype,max_kl", [("int8", 0.01), ("fp8", 0.03), ("k8v4", 0.3)])
+@pytest.mark.parametrize("kv_dtype,max_kl", [("int8", 0.002), ("fp8", 0.01), ("k8v4", 0.05)])  # measured 0.0005, 0.003, 0.016
 def test_quantized_kv_costs_little_against_the_model_dtype(smollm, kv_dtype, max_kl):
     from infernix_jax.quant.quality import compare, scored, window_logprobs
     text = ("The river Tagus rises in the mountains of eastern Spain and flows west through Toledo before "
