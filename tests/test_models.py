@@ -124,6 +124,20 @@ def test_fused_expert_checkpoint_layout(tmp_path):
     assert rel_err(ours_full(m, tokens), hf_logits(hf, tokens)) <= RTOL
 
 
+def test_a_moe_model_loads_with_quantized_experts(tmp_path):
+    """--weights int8 on a MoE checkpoint quantizes the routed experts at load, and the model stays
+    close to the exact one (the loader, the plan and both MoE paths together)."""
+    from infernix_jax.quant.formats import QTensor
+    hf = make_hf_model("qwen3_moe", seed=5)
+    save_file({k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    exact = load_model(str(tmp_path), with_tokenizer=False)
+    m = load_model(str(tmp_path), with_tokenizer=False, weights="int8")
+    assert isinstance(m.params["layers"][0]["e_up"], QTensor) and m.params["layers"][0]["e_up"].fmt == "int8"
+    tokens = np.random.default_rng(3).integers(0, m.cfg.vocab_size, (1, 6))
+    assert 0 < rel_err(ours_full(m, tokens), ours_full(exact, tokens)) < 2e-2
+
+
 def test_sharded_checkpoint(tmp_path):
     hf = make_hf_model("qwen3", seed=4)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -140,6 +154,31 @@ def test_bfloat16_close_to_float32(tmp_path):
     f32 = ours_full(load_model(str(tmp_path), with_tokenizer=False), tokens)
     bf16 = ours_full(load_model(str(tmp_path), dtype="bfloat16", with_tokenizer=False), tokens)
     assert rel_err(bf16, f32) < 5e-2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8b", "int4", "nvfp4"])
+def test_quantized_experts_compute_as_their_dequantized_weights(fmt):
+    """--weights FMT quantizes the routed experts too: both MoE paths multiply by exactly the
+    weights the QTensors stand for (decode gathers the chosen experts' codes, then dequantizes)."""
+    from infernix_jax.models.moe import moe_mlp
+    from infernix_jax.quant.apply import planned_bytes, quantize_layer
+    from infernix_jax.quant.formats import QTensor, dequantize
+    rng = np.random.default_rng(8)
+    E, H, I, k = 8, 256, 128, 2
+    p = {"router": jnp.asarray(rng.standard_normal((E, H)), jnp.float32),
+         "e_gate": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
+         "e_up": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
+         "e_down": jnp.asarray(rng.standard_normal((E, H, I)) / 4, jnp.float32)}
+    q = quantize_layer(p, fmt)
+    assert all(isinstance(q[n], QTensor) for n in ("e_gate", "e_up", "e_down"))
+    deq = {**p, **{n: dequantize(q[n]) for n in ("e_gate", "e_up", "e_down")}}
+    assert np.abs(np.asarray(deq["e_up"]) - np.asarray(p["e_up"])).max() > 0        # really rounded
+    x = jnp.asarray(rng.standard_normal((2, 3, H)), jnp.float32)
+    for gather in (True, False):
+        got, want = moe_mlp(x, q, k, True, "silu", gather=gather), moe_mlp(x, deq, k, True, "silu", gather=gather)
+        assert rel_err(got, np.asarray(want)) < 1e-5, gather
+    abstract = {"layers": [jax.eval_shape(lambda: p)]}
+    assert planned_bytes(abstract, 4, fmt) < 0.3 * planned_bytes(abstract, 4)        # the experts shrink
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -30,19 +30,36 @@ def route(x, router_w, top_k: int, norm_topk_prob: bool):
     return jnp.einsum("nk,nke->ne", w, onehot)
 
 
+def experts(w, idx=None, dtype=None):
+    """Stacked expert weights [E, O, I] (or those of idx [...]: [..., O, I]) as an array in dtype.
+    Quantized experts (--weights FMT: a QTensor whose arrays keep the expert axis first) are
+    dequantized by XLA after the gather, so decode reads only the chosen experts' codes (there is
+    no grouped quantized expert kernel yet)."""
+    from ..quant.formats import QTensor, dequantize
+    if not isinstance(w, QTensor):
+        return w if idx is None else w[idx]
+    if idx is not None:
+        take = lambda a: a if a is None or a.ndim == 0 else a[idx]  # noqa: E731  (nvfp4's tensor scale: one)
+        w = w.replace(data=take(w.data), scale=take(w.scale), zero=take(w.zero),
+                      more=tuple(take(a) for a in w.more), shape=tuple(idx.shape) + tuple(w.shape[1:]))
+    return dequantize(w, dtype or jnp.float32)
+
+
 def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str, gather: bool | None = None):
-    """x [B, T, H]; p holds router [E, H], e_gate/e_up [E, I, H], e_down [E, H, I].
-    gather: None picks by the (static) token count; True/False force a path (tests)."""
+    """x [B, T, H]; p holds router [E, H], e_gate/e_up [E, I, H], e_down [E, H, I] (arrays or
+    quantized QTensors). gather: None picks by the (static) token count; True/False force a path (tests)."""
     B, T, H = x.shape
     E = p["router"].shape[0]
     xf = x.reshape(B * T, H)
+    dt = x.dtype
     if gather if gather is not None else B * T * top_k <= E:
         w, idx = _top_k(xf, p["router"], top_k, norm_topk_prob)                # [N, k]
-        g = activation(act)(jnp.einsum("nh,nkih->nki", xf, p["e_gate"][idx]))  # [N, k, I]
-        h = g * jnp.einsum("nh,nkih->nki", xf, p["e_up"][idx])
-        out = jnp.einsum("nki,nkhi,nk->nh", h, p["e_down"][idx], w)
+        g = activation(act)(jnp.einsum("nh,nkih->nki", xf, experts(p["e_gate"], idx, dt)))  # [N, k, I]
+        h = g * jnp.einsum("nh,nkih->nki", xf, experts(p["e_up"], idx, dt))
+        out = jnp.einsum("nki,nkhi,nk->nh", h, experts(p["e_down"], idx, dt), w)
         return out.reshape(B, T, H)
     comb = route(xf, p["router"], top_k, norm_topk_prob)                       # [N, E]
-    h = activation(act)(jnp.einsum("nh,eih->nei", xf, p["e_gate"])) * jnp.einsum("nh,eih->nei", xf, p["e_up"])
-    out = jnp.einsum("nei,ehi,ne->nh", h, p["e_down"], comb)
+    h = activation(act)(jnp.einsum("nh,eih->nei", xf, experts(p["e_gate"], dtype=dt))) \
+        * jnp.einsum("nh,eih->nei", xf, experts(p["e_up"], dtype=dt))
+    out = jnp.einsum("nei,ehi,ne->nh", h, experts(p["e_down"], dtype=dt), comb)
     return out.reshape(B, T, H)

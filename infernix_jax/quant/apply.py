@@ -1,7 +1,8 @@
 """Quantizing a loaded model's weights (`--weights FMT`): the projections every token multiplies by
-(attention, MLP, Gated DeltaNet, shared experts) become QTensors; embeddings, the LM head, norms,
-routers and the small per-head vectors stay as they are. Routed MoE experts stay unquantized until
-the grouped expert kernel takes quantized weights (issue 7)."""
+(attention, MLP, Gated DeltaNet, shared experts) become QTensors; so do the routed MoE experts
+([E, O, I] stacks, dequantized by XLA after the gather in models/moe.py: memory, not speed, until a
+grouped quantized expert kernel exists; bf16p leaves them as they are). Embeddings, the LM head,
+norms, routers and the small per-head vectors stay as they are."""
 from __future__ import annotations
 
 import jax
@@ -15,13 +16,22 @@ from .packed import Packed12, pack
 QUANTIZABLE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
                          "lin_qkvz", "lin_ba", "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out"})
 
+# routed experts [E, O, I] (models/moe.py)
+EXPERTS = frozenset({"e_gate", "e_up", "e_down"})
+
 _quantize = jax.jit(quantize, static_argnums=1)
 
 
+def quantized_names(p: dict, fmt: str) -> set:
+    """The weights of one layer's params that format fmt quantizes."""
+    return (QUANTIZABLE | (EXPERTS if fmt != "bf16p" else frozenset())) & p.keys()
+
+
 def quantize_layer(p: dict, fmt: str) -> dict:
-    """A copy of one layer's params with its QUANTIZABLE matrices in format fmt (bf16p: packed)."""
+    """A copy of one layer's params with its QUANTIZABLE matrices (and routed experts) in format
+    fmt (bf16p: the matrices packed)."""
     q = dict(p)
-    for name in QUANTIZABLE & q.keys():
+    for name in quantized_names(q, fmt):
         if not isinstance(q[name], (QTensor, Packed12)):
             q[name] = pack(q[name]) if fmt == "bf16p" else _quantize(q[name], fmt)
     return q
@@ -48,7 +58,7 @@ def planned_bytes(abstract: dict, itemsize: int, fmt: str = "") -> int:
     total = sum(int(np.prod(a.shape)) * itemsize for a in jax.tree.leaves(abstract))
     if fmt:
         for p in abstract["layers"]:
-            for name in QUANTIZABLE & p.keys():
+            for name in quantized_names(p, fmt):
                 n = int(np.prod(p[name].shape))
                 total += int(n * nominal_bits(fmt) / 8) - n * itemsize
     return total

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .apply import QUANTIZABLE
+from .apply import quantized_names
 from .formats import F8, F8_MAX, E2M1_MAX, _e2m1_codes, E2M1
 
 # value grid and group of each format's honest rounding: (grid, group along the input axis, tile
@@ -67,7 +67,8 @@ def honest_params(params: dict, fmt: str) -> dict:
     """The reference's params with the matrices that `fmt` quantizes honestly rounded."""
     layers = []
     for p in params["layers"]:
-        layers.append({k: (honest_round(v, fmt).astype(v.dtype) if k in QUANTIZABLE else v) for k, v in p.items()})
+        names = quantized_names(p, fmt)
+        layers.append({k: (honest_round(v, fmt).astype(v.dtype) if k in names else v) for k, v in p.items()})
     return {**params, "layers": layers}
 
 
