@@ -121,12 +121,12 @@ def test_pull_is_idempotent_and_uses_the_cache(smollm):
 def test_serve_plan_prints_the_allocation_without_loading(smollm):
     r = run_cli("scripts.serve", "--plan", "--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-gib", "0.5")
     assert r.returncode == 0, r.stderr
-    assert "KV per token:       45.0 KiB" in r.stdout and "KV pool:            0.50 GiB" in r.stdout
+    assert "KV per token:       45.0 KiB (model dtype)" in r.stdout and "KV pool:            0.50 GiB" in r.stdout
     assert "weights:" in r.stdout and "max tokens cached:  11648" in r.stdout
     assert "prefix cache:       device blocks" in r.stdout
     k = run_cli("scripts.serve", "--plan", "--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-gib", "0.5",
                 "--kv-dtype", "k8v4")                         # 30 layers x 3 heads x (64 + 32 codes + 2 scales)
-    assert k.returncode == 0 and "KV per token:       9.1 KiB" in k.stdout, k.stdout
+    assert k.returncode == 0 and "KV per token:       9.1 KiB (k8v4)" in k.stdout, k.stdout
     bad = run_cli("scripts.serve", "--plan", "--max-num-seqs", "0")
     assert bad.returncode == 2 and "max-num-seqs" in bad.stderr and "Traceback" not in bad.stderr
     for flags, msg in ((["--ssd-context-gib", "1"], "needs --ssd-context-dir"),

@@ -29,6 +29,7 @@ class MemoryPlan:
     device_bytes: int | None
     state_bytes: int = 0          # hybrids: the state pool (conv + SSM states of max_num_seqs sequences)
     block_bytes: int = 0          # K and V bytes of one block (exact; kv_bytes_per_token may be fractional)
+    kv_dtype: str = ""            # --kv-dtype ("": the model dtype)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -42,7 +43,7 @@ class MemoryPlan:
         gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
         lines = [
             f"weights:            {gib(self.weights_bytes)}",
-            f"KV per token:       {self.kv_bytes_per_token / 1024:.1f} KiB",
+            f"KV per token:       {self.kv_bytes_per_token / 1024:.1f} KiB ({self.kv_dtype or 'model dtype'})",
             f"KV pool:            {gib(self.kv_pool_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens",
             f"workspace (est.):   {gib(self.workspace_bytes)}",
             *([f"state pool:         {gib(self.state_bytes)} ({self.state_bytes // self.max_num_seqs / 2**20:.1f} "
@@ -102,4 +103,4 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
         raise ValueError(f"the KV pool ({pool / GiB:.2f} GiB) cannot hold one sequence of max_model_len "
                          f"{max_model_len}: lower --max-model-len or raise --kv-cache-gib")
     return MemoryPlan(weights, per_tok, block_size, int(num_blocks), workspace, max_model_len, max_num_seqs, device,
-                      state, block_bytes)
+                      state, block_bytes, kv_dtype)
