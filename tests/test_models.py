@@ -156,6 +156,13 @@ def test_bfloat16_close_to_float32(tmp_path):
     assert rel_err(bf16, f32) < 5e-2
 
 
+def moe_params(rng, E: int, H: int, I: int) -> dict:
+    """One MoE layer's router and experts, random."""
+    def r(*shape, scale=0.25):
+        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+    return {"router": r(E, H, scale=1.0), "e_gate": r(E, I, H), "e_up": r(E, I, H), "e_down": r(E, H, I)}
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8b", "int4", "nvfp4"])
 def test_quantized_experts_compute_as_their_dequantized_weights(fmt):
     """--weights FMT quantizes the routed experts too: both MoE paths multiply by exactly the
@@ -164,11 +171,8 @@ def test_quantized_experts_compute_as_their_dequantized_weights(fmt):
     from infernix_jax.quant.apply import planned_bytes, quantize_layer
     from infernix_jax.quant.formats import QTensor, dequantize
     rng = np.random.default_rng(8)
-    E, H, I, k = 8, 256, 128, 2
-    p = {"router": jnp.asarray(rng.standard_normal((E, H)), jnp.float32),
-         "e_gate": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
-         "e_up": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
-         "e_down": jnp.asarray(rng.standard_normal((E, H, I)) / 4, jnp.float32)}
+    H, k = 256, 2
+    p = moe_params(rng, 8, H, 128)
     q = quantize_layer(p, fmt)
     assert all(isinstance(q[n], QTensor) for n in ("e_gate", "e_up", "e_down"))
     deq = {**p, **{n: dequantize(q[n]) for n in ("e_gate", "e_up", "e_down")}}
@@ -186,11 +190,8 @@ def test_moe_gather_path_equals_dense(norm):
     """The decode path (chosen experts' weights gathered per token) equals the all-experts path."""
     from infernix_jax.models.moe import moe_mlp
     rng = np.random.default_rng(7)
-    E, H, I, k = 8, 32, 24, 3
-    p = {"router": jnp.asarray(rng.standard_normal((E, H)), jnp.float32),
-         "e_gate": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
-         "e_up": jnp.asarray(rng.standard_normal((E, I, H)) / 4, jnp.float32),
-         "e_down": jnp.asarray(rng.standard_normal((E, H, I)) / 4, jnp.float32)}
+    H, k = 32, 3
+    p = moe_params(rng, 8, H, 24)
     x = jnp.asarray(rng.standard_normal((2, 5, H)), jnp.float32)
     dense = moe_mlp(x, p, k, norm, "silu", gather=False)
     gathered = moe_mlp(x, p, k, norm, "silu", gather=True)
