@@ -38,13 +38,17 @@ def code_dtype(fmt: str):
 
 
 def row_scale(x, fmt: str):
-    """x [..., hd] f32 -> [...] f32: each row's scale (0 for a row of zeros)."""
-    return jnp.max(jnp.abs(x), axis=-1) / QMAX[fmt]
+    """x [..., hd] f32 -> [...] f32: each row's scale (0 for a row of zeros, and for a row holding
+    inf or NaN: its request's output is lost anyway, and a stale non-finite scale or code would
+    poison another request reusing the block (0 x inf in a masked slot))."""
+    s = jnp.max(jnp.abs(x), axis=-1) / QMAX[fmt]
+    return jnp.where(jnp.isfinite(s), s, 0.0)
 
 
 def encode(x, scale, fmt: str):
     """x [..., hd] f32, scale [...] -> codes [..., code_dims]."""
     y = x / jnp.where(scale > 0, scale, 1.0)[..., None]
+    y = jnp.where(jnp.isfinite(y), y, 0.0)
     if fmt == "fp8":
         return jnp.clip(y, -QMAX[fmt], QMAX[fmt]).astype(jnp.float8_e4m3fn)
     q = jnp.clip(jnp.round(y), -QMAX[fmt], QMAX[fmt])

@@ -146,7 +146,14 @@ def check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts):
         raise ValueError(f"shape mismatch: q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}, formats {fmts}")
     if fmts[0] == "int4" or bool(fmts[0]) != bool(fmts[1]):
         raise ValueError(f"unsupported KV formats {fmts}: keys int8/fp8 with values int8/fp8/int4, or neither")
-    if fmts[0] and (k_scale is None or v_scale is None or k_scale.shape != (nKV, P, bs) or v_scale.shape != (nKV, P, bs)):
+    if not fmts[0]:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale / v_scale given for pools in the model dtype: pass fmts too")
+        return fmts, 1
+    from .kv_quant import code_dtype
+    if (k_pool.dtype, v_pool.dtype) != tuple(jnp.dtype(code_dtype(f)) for f in fmts):
+        raise ValueError(f"pools of {k_pool.dtype} / {v_pool.dtype} do not hold {fmts} codes")
+    if k_scale is None or v_scale is None or k_scale.shape != (nKV, P, bs) or v_scale.shape != (nKV, P, bs):
         raise ValueError(f"quantized pools need k_scale and v_scale of shape {(nKV, P, bs)}")
     return fmts, _parts(fmts)
 

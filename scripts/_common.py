@@ -58,6 +58,8 @@ def apply_route(a) -> None:
     if lossless and a.dtype not in (None, "float32"):
         raise ValueError(f"--lossless computes in float32: drop --dtype {a.dtype}")
     stored_dtype, a.stored_weights, stored_kv = stored_route(a.model)
+    if getattr(a, "kv_dtype", None) == "model":      # asked for exact KV, over a checkpoint's default
+        a.kv_dtype = ""
     if a.dtype is None:
         a.dtype = "float32" if lossless else (stored_dtype or "float32")
     if lossless and getattr(a, "kv_dtype", None):
@@ -74,9 +76,10 @@ def apply_route(a) -> None:
 
 
 def add_kv_dtype_arg(p):
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4"],
+    p.add_argument("--kv-dtype", default=None, choices=["model", "int8", "fp8", "k8v4"],
                    help="store K and V quantized, one f32 scale per head and token (k8v4: 8-bit keys, 4-bit "
-                        "values): about half (int8, fp8) or 40%% (k8v4) of bf16's KV bytes; default: the model dtype")
+                        "values): about half (int8, fp8) or 40%% (k8v4) of bf16's KV bytes; model: in the model "
+                        "dtype (the default, unless a converted checkpoint names another)")
 
 
 def add_engine_args(p):

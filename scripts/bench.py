@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench-out")
     from infernix_jax.quant.ggml import GGML_FORMATS
     add_model_args(p, more_weights=GGML_FORMATS)      # shapes also takes a GGUF block type (random blocks)
-    add_kv_dtype_arg(p)                               # decode and shapes
+    add_kv_dtype_arg(p)                               # decode, shapes and prefix
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             if bad:
                 raise ValueError(f"unknown --cases {', '.join(sorted(bad))}; known: {','.join(bench_prefix.PrefixBench.CASES)}")
             bench_prefix.run(shape, a.model, a.dtype, a.tokens, a.chunk,
-                             None if a.out == p.get_default("out") else a.out, cases)
+                             None if a.out == p.get_default("out") else a.out, cases, a.kv_dtype or "")
             return 0
         if a.what == "qmatmul":
             from scripts import bench_quant

@@ -49,10 +49,10 @@ def load(shape: str | None, model_spec: str, dtype: str):
 
 
 class PrefixBench:
-    def __init__(self, model, tokens: int, workdir: Path, chunk: int):
+    def __init__(self, model, tokens: int, workdir: Path, chunk: int, kv_dtype: str = ""):
         from infernix_jax.models.paged import kv_bytes_per_token
-        self.model, self.T, self.dir, self.chunk = model, tokens, workdir, chunk
-        self.per_tok = kv_bytes_per_token(model.cfg, model.dtype)
+        self.model, self.T, self.dir, self.chunk, self.kv_dtype = model, tokens, workdir, chunk, kv_dtype
+        self.per_tok = kv_bytes_per_token(model.cfg, model.dtype, kv_dtype)
         self.rng = np.random.default_rng(0)
         self.rows: list[dict] = []
 
@@ -63,7 +63,7 @@ class PrefixBench:
         from infernix_jax.engine import Engine
         pool = (self.T + 256) * 1.3 * self.per_tok / GiB      # one conversation, not two: pushing one evicts
         return Engine(self.model, max_num_seqs=1, max_model_len=self.T + 256, kv_cache_gib=pool,
-                      max_num_batched_tokens=self.chunk, **kw)
+                      max_num_batched_tokens=self.chunk, kv_dtype=self.kv_dtype, **kw)
 
     @staticmethod
     def ttft(eng, prompt) -> tuple[float, int]:
@@ -189,12 +189,12 @@ def _drop_page_cache(path: str) -> None:
 
 
 def run(shape: str | None, model_spec: str, dtype: str, tokens: int, chunk: int, out: str | None,
-        cases=PrefixBench.CASES) -> None:
+        cases=PrefixBench.CASES, kv_dtype: str = "") -> None:
     import jax
     model = load(shape, model_spec, dtype)
     work = Path(tempfile.mkdtemp(prefix="infernix-bench-prefix-"))
     try:
-        rows = PrefixBench(model, tokens, work, chunk).run(cases)
+        rows = PrefixBench(model, tokens, work, chunk, kv_dtype).run(cases)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{'case':<10} {'TTFT':>9} {'cached':>7} {'x cold':>7}   ({tokens} tokens, {shape or model_spec}, "
@@ -205,4 +205,4 @@ def run(shape: str | None, model_spec: str, dtype: str, tokens: int, chunk: int,
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "model": shape or model_spec,
-                                         "tokens": tokens, "rows": rows}, indent=1))
+                                         "tokens": tokens, "kv_dtype": kv_dtype or "model", "rows": rows}, indent=1))

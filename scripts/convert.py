@@ -27,7 +27,8 @@ def main(argv=None) -> int:
 
     p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4"],
                    help="the KV cache dtype the checkpoint is served with by default (its manifest says so; "
-                        "infernix-serve --kv-dtype overrides it); default: the model dtype")
+                        "infernix-serve --kv-dtype overrides it, --kv-dtype model for the model dtype); "
+                        "default: the model dtype")
 
     def go():
         a = p.parse_args(argv)

@@ -77,6 +77,7 @@ def test_the_default_kv_dtype_of_a_checkpoint(converted):
     route = lambda *args: (apply_route(a := p.parse_args(["--model", str(converted["nvfp4"]), *args])), a)[1]  # noqa: E731
     assert route().kv_dtype == "k8v4"                                   # the manifest's default
     assert route("--kv-dtype", "int8").kv_dtype == "int8"              # the flag wins
+    assert route("--kv-dtype", "model").kv_dtype == ""                 # ... also back to exact KV
     assert not route("--lossless").kv_dtype                             # lossless keeps KV exact
     with pytest.raises(ValueError, match="--lossless keeps K and V in float32"):
         route("--lossless", "--kv-dtype", "fp8")

@@ -154,6 +154,10 @@ def test_kernels_validate_shapes():
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         pda.paged_decode_attention(q, codes, codes, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
                                    fmts=("int8", "int8"), interpret=True)
+    with pytest.raises(ValueError, match="do not hold"):          # bf16 pools read as codes
+        pda.paged_decode_attention(q, codes.astype(jnp.bfloat16), codes.astype(jnp.bfloat16), jnp.zeros((2, 2), jnp.int32),
+                                   jnp.ones((2,), jnp.int32), fmts=("int8", "int8"), interpret=True,
+                                   k_scale=jnp.ones((2, 4, 16)), v_scale=jnp.ones((2, 4, 16)))
     with pytest.raises(ValueError, match="shape mismatch"):      # int4 values take hd / 2 bytes a row
         pda.paged_decode_attention(q, codes, codes, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
                                    fmts=("int8", "int4"), interpret=True)

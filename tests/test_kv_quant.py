@@ -44,6 +44,20 @@ def test_each_row_is_rounded_once_by_its_own_scale_however_it_is_written(fmt):
     assert (err <= s * relative_step(fmt) * 1.0001).all()
 
 
+@pytest.mark.parametrize("fmt", kq.KV_FORMATS)
+def test_rows_with_inf_or_nan_leave_nothing_that_poisons_a_later_owner(fmt):
+    """A request whose K/V overflowed must not leave a non-finite scale or code behind: attention
+    multiplies masked slots by 0, and 0 x inf is NaN for whoever reuses the block."""
+    rng = np.random.default_rng(4)
+    pool, scale = stale_pool(rng, fmt)
+    x = rng.normal(size=(3, nKV, hd)).astype(np.float32)
+    x[0, 0, 1], x[1, 1, 2], x[2, 0, 0] = np.inf, np.nan, -np.inf
+    pool, scale = kq.write(pool, scale, jnp.asarray(x), jnp.asarray([slot(p) for p in range(3)]), fmt)
+    got = np.asarray(kq.gather_blocks(pool, scale, jnp.asarray(TABLE), fmt))
+    assert np.isfinite(np.asarray(scale)).all() and np.isfinite(got).all()
+    assert np.asarray(scale)[0, TABLE[0], 0] == 0 and np.asarray(scale)[1, TABLE[0], 0] > 0    # only the bad rows
+
+
 def test_int4_packs_the_two_halves_of_a_row():
     x = jnp.asarray(np.arange(1, 9, dtype=np.float32) - 4.5)[None]           # [1, 8]: -3.5 .. 3.5
     codes = np.asarray(kq.encode(x, jnp.asarray([0.5]), "int4"))             # q = -7 .. 7 (odd steps)

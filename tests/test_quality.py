@@ -69,10 +69,11 @@ def test_quality_cli_measures_routes_and_floors(smollm, tmp_path, capsys):
     assert rows[("lossless", "int8")]["of_honest"] == pytest.approx(1.0, abs=0.02)
     assert 0 < rows[("honest rounding", "int8")]["mean_kl"] < rows[("honest rounding", "nvfp4")]["mean_kl"]
     assert rows[("default", "nvfp4")]["of_honest"] > 0
-    # k8v4 KV rounds each K/V row to nearest with an exact f32 scale: its own floor, and it costs
-    # something on top of the weights' rounding
-    assert kv[("lossless", "none")]["of_honest"] == pytest.approx(1.0, abs=1e-6)
-    assert 0 < kv[("lossless", "none")]["mean_kl"] and kv[("lossless", "int8")]["mean_kl"] > rows[("lossless", "int8")]["mean_kl"]
+    # k8v4 KV rounds each K/V row to nearest with an exact f32 scale: on the CPU (f32 arithmetic)
+    # the default route is its own floor, and it costs something on top of the weights' rounding
+    assert ("lossless", "none") not in kv                       # (that one *is* the floor row)
+    assert kv[("default", "none")]["of_honest"] == pytest.approx(1.0, abs=1e-3)
+    assert 0 < kv[("default", "none")]["mean_kl"] and kv[("lossless", "int8")]["mean_kl"] > rows[("lossless", "int8")]["mean_kl"]
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -36,7 +36,8 @@ def fingerprint(model_id: str, dtype: str, kv_format: str, block_size: int, devi
 
 
 def save(path: str, fp: dict, blocks: list, snapshots: list, ssd_state: dict | None) -> int:
-    """blocks: (key, parent, tokens, k, v) with k, v [L, nKV, bs, hd]; snapshots: (key, StateSnapshot).
+    """blocks: (key, parent, tokens, k, v) with k, v [L, nKV, bs, hd] (quantized KV: [L, nKV, R]
+    uint8 rows); snapshots: (key, StateSnapshot).
     Returns the bytes written."""
     meta = {"fingerprint": fp, "keys": [str(b[0]) for b in blocks], "parents": [str(b[1]) for b in blocks],
             "snapshots": [[str(key), s.num_tokens, len(s.conv)] for key, s in snapshots], "ssd": ssd_state}

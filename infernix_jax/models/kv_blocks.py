@@ -77,7 +77,7 @@ def _gather(kv: PagedKV, ids):
 
 def read_blocks(kv: PagedKV, ids: list[int]) -> list:
     """[(k, v, lo, hi)] per piece: blocks ids[lo:hi] as [hi - lo, L, nKV, bs, hd] arrays in host
-    memory. The copies are started here and overlap the device's next work."""
+    memory (quantized KV: [hi - lo, L, nKV, R] uint8, see host_block_layout). The copies are started here and overlap the device's next work."""
     out = []
     for lo, hi in exact_pieces(len(ids)):
         k, v = _gather(kv, np.asarray(ids[lo:hi], np.int32))
@@ -105,8 +105,8 @@ def _scatter(kv: PagedKV, k, v, rows, dst):
 
 
 def write_rows(kv: PagedKV, k, v, rows: list[int], dst: list[int]) -> PagedKV:
-    """Write rows of one piece (k, v [n, L, nKV, bs, hd], n a power of two, in host memory or
-    numpy) into blocks dst; the piece goes to the device in one transfer. kv is donated."""
+    """Write rows of one piece (k, v [n, L, nKV, bs, hd] or quantized [n, L, nKV, R] uint8, n a
+    power of two, in host memory or numpy) into blocks dst; the piece goes to the device in one transfer. kv is donated."""
     n, P = k.shape[0], kv.num_blocks
     assert n == _bucket(n) and len(rows) == len(dst) <= n, (n, len(rows))
     r, d = np.zeros((n,), np.int32), np.full((n,), P, np.int32)
@@ -117,7 +117,8 @@ def write_rows(kv: PagedKV, k, v, rows: list[int], dst: list[int]) -> PagedKV:
 
 
 def stack_pieces(blocks: list) -> list:
-    """Group host blocks ((k, v) numpy [L, nKV, bs, hd] each) into numpy pieces for write_rows:
+    """Group host blocks ((k, v) numpy [L, nKV, bs, hd] or quantized [L, nKV, R] each) into numpy
+    pieces for write_rows:
     [(k, v, lo, hi)], each piece padded to a power of two rows."""
     out = []
     for lo in range(0, len(blocks), CHUNK):

@@ -47,18 +47,18 @@ def num_attention_layers(cfg: ModelConfig) -> int:
 KV_DTYPES = {"int8": ("int8", "int8"), "fp8": ("fp8", "fp8"), "k8v4": ("int8", "int4")}
 
 
-def check_kv_dtype(kv_dtype: str) -> None:
+def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:
     if kv_dtype and kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    if head_dim is not None and "int4" in KV_DTYPES.get(kv_dtype, ()) and head_dim % 2:
+        raise ValueError(f"--kv-dtype {kv_dtype} packs two 4-bit values a byte: head_dim {head_dim} is odd")
 
 
 def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, state_slots: int = 0,
                   kv_dtype: str = "") -> PagedKV:
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     n_attn = num_attention_layers(cfg)
-    check_kv_dtype(kv_dtype)
-    if "int4" in KV_DTYPES.get(kv_dtype, ()) and cfg.head_dim % 2:
-        raise ValueError(f"--kv-dtype {kv_dtype} packs two 4-bit values a byte: head_dim {cfg.head_dim} is odd")
+    check_kv_dtype(kv_dtype, cfg.head_dim)
     conv, ssm = (), ()
     if cfg.layer_types:
         from .hybrid import state_shapes
@@ -79,6 +79,7 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
 def kv_bytes_per_block(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> int:
     """K and V bytes of one block of block_size tokens over all attention layers (quantized: codes
     plus the f32 scale of each row)."""
+    check_kv_dtype(kv_dtype, cfg.head_dim)        # (the plan too refuses what the pool would)
     per = num_attention_layers(cfg) * cfg.num_kv_heads
     if not kv_dtype:
         return 2 * per * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
