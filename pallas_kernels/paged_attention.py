@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import kv_quant
+from . import kv_bf16p, kv_quant
 
 
 def write_kv(k_pool, v_pool, k, v, slots):
@@ -27,25 +27,29 @@ def write_kv(k_pool, v_pool, k, v, slots):
     return kp, vp
 
 
-def _gather_seq(pool, block_tables, scale=None, fmt: str = "", dtype=None):
+def _gather_seq(pool, block_tables, scale=None, fmt: str = "", dtype=None, esc=None):
     """pool [nKV, P, bs, hd], block_tables [B, M] -> ([B, M * bs, nKV, hd], None). A quantized pool
     (kv_quant: codes, scale [nKV, P, bs]) gives its codes' values in dtype and the rows' scales
-    [B, M * bs, nKV]: the callers scale scores and probabilities, as the kernels do."""
+    [B, M * bs, nKV]: the callers scale scores and probabilities, as the kernels do. A bf16p pool
+    (kv_bf16p: codes, row bases in scale, escapes esc [nKV, P, E]) gives its exact bf16 values."""
     nKV, _, bs, _ = pool.shape
     B, M = block_tables.shape
     g = pool[:, block_tables]                                           # [nKV, B, M, bs, hd']
     rows = None
-    if scale is not None:
+    if fmt == "bf16p":
+        g = kv_bf16p.decode_rows(g, scale[:, block_tables], esc[:, block_tables])
+    elif scale is not None:
         g = kv_quant.unscaled(g, fmt, dtype)
         rows = scale[:, block_tables].reshape(nKV, B, M * bs).transpose(1, 2, 0)
     return g.reshape(nKV, B, M * bs, g.shape[-1]).transpose(1, 2, 0, 3), rows
 
 
-def _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, dtype):
+def _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, dtype, k_esc=None, v_esc=None):
     """Each sequence's keys and values [B, S, nKV, hd] and, for quantized pools, their row scales
     [B, S, nKV] (else None)."""
     fk, fv = fmts or ("", "")
-    return (*_gather_seq(k_pool, block_tables, k_scale, fk, dtype), *_gather_seq(v_pool, block_tables, v_scale, fv, dtype))
+    return (*_gather_seq(k_pool, block_tables, k_scale, fk, dtype, k_esc),
+            *_gather_seq(v_pool, block_tables, v_scale, fv, dtype, v_esc))
 
 
 def _by_key(x, rows):
@@ -57,13 +61,14 @@ def _by_key(x, rows):
 
 
 def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, scale=None, k_scale=None,
-                                     v_scale=None, fmts=None):
+                                     v_scale=None, fmts=None, k_esc=None, v_esc=None):
     """q [B, nH, hd] -> [B, nH, hd]; each query sees its sequence's first kv_lens[b] slots.
-    Quantized pools (kv_quant) come with k_scale, v_scale [nKV, P, bs] and their (key, value) formats."""
+    Quantized pools (kv_quant) come with k_scale, v_scale [nKV, P, bs] and their (key, value) formats;
+    bf16p pools (kv_bf16p) with their row bases as k_scale, v_scale and escapes k_esc, v_esc."""
     B, nH, hd = q.shape
     nKV = k_pool.shape[0]
     scale = hd ** -0.5 if scale is None else scale
-    K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
+    K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype, k_esc, v_esc)
     qg = q.reshape(B, nKV, nH // nKV, hd)
     s = _by_key(jnp.einsum("bkgd,bskd->bkgs", qg, K, preferred_element_type=jnp.float32), ks) * scale
     visible = jnp.arange(K.shape[1])[None, :] < kv_lens[:, None]                # [B, S]
@@ -74,7 +79,7 @@ def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, s
 
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale=None, k_scale=None,
-                                     v_scale=None, fmts=None):
+                                     v_scale=None, fmts=None, k_esc=None, v_esc=None):
     """q [N, nH, hd] -> [N, nH, hd], causal within each sequence. Rows past cu_q[B] are padding
     (their output is zero). Costs B x N x S scores: a reference, not a fast path. Quantized pools:
     as paged_decode_attention_reference."""
@@ -87,7 +92,7 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, c
     idx = cu_q[:-1, None] + t[None, :]                                             # [B, N]
     valid = t[None, :] < q_lens[:, None]
     qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, N, nKV, nH // nKV, hd)              # [B, N, nKV, G, hd]
-    K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype)   # [B, S, nKV, hd]
+    K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype, k_esc, v_esc)
     S = K.shape[1]
     pos = (kv_lens - q_lens)[:, None] + t[None, :]                                 # [B, N]
     s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32), ks) * scale

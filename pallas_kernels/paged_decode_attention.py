@@ -71,32 +71,61 @@ def _tile(c, fmt: str, dtype) -> list:
     return [c.astype(jnp.float32).astype(dtype)]
 
 
-def _load(ref, scale_ref, pages, fmt: str, dtype):
+def _bf16p_tile(ref, base_ref, esc_ref, pages):
+    """Blocks `pages` [ppb] of one head's bf16p pool (kv_bf16p) -> their exact bf16 values
+    [ppb * bs, hd]: sign|mantissa bytes, exponents as distances below each row's base (two a byte,
+    interleaved), patched by the block's escapes (a compare and select per escape slot)."""
+    ppb, bs, hd = pages.shape[0], ref.shape[1], ref.shape[2] * 2 // 3
+    rows = ppb * bs
+    sm = ref[pages, :, pl.ds(0, hd)].reshape(rows, hd).astype(jnp.int32)
+    nb = ref[pages, :, pl.ds(hd, hd // 2)].reshape(rows, hd // 2)
+    nib = jnp.stack([nb & 0xF, nb >> 4], axis=-1).reshape(rows, hd).astype(jnp.int32)
+    base = base_ref[pages].reshape(rows, 1).astype(jnp.int32)
+    e = jnp.where(nib == 15, 0, base - nib)
+    pos = (jnp.arange(rows) % bs)[:, None] * hd + jnp.arange(hd)[None, :]          # place in the block
+    for i in range(esc_ref.shape[-1]):
+        r = jnp.broadcast_to(esc_ref[pages, pl.ds(i, 1)], (ppb, bs)).reshape(rows, 1)
+        e = jnp.where((r != 0) & (pos == (r & 0xFFFF) - 1), r >> 16, e)
+    bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _load(ref, scale_ref, pages, fmt: str, dtype, esc_ref=None):
     """Blocks `pages` [ppb] of one head's pool ref [P, bs, hd'] -> (tiles [block_k, hd / parts] (see
-    _tile), row scales [block_k] f32 or None for a plain pool)."""
+    _tile), row scales [block_k] f32 or None for a plain pool or a lossless bf16p one)."""
+    if fmt == "bf16p":
+        return [_bf16p_tile(ref, scale_ref, esc_ref, pages)], None
     c = ref[pages]
     ppb, bs = c.shape[0], c.shape[1]
     tiles = _tile(c.reshape(ppb * bs, c.shape[2]), fmt, dtype)
     return tiles, (scale_ref[pages].reshape(ppb * bs) if fmt else None)
 
 
-def attend_block(q, o, m, l, k_ref, v_ref, ks_ref, vs_ref, pages, mask, scale: float, fmts):
+def attend_block(q, o, m, l, k_ref, v_ref, ks_ref, vs_ref, pages, mask, scale: float, fmts, ke_ref=None,
+                 ve_ref=None):
     """One online-softmax step over KV blocks `pages` for query rows q [R, hd] (shared by the
     decode and ragged kernels): o is a tuple of output parts [R, hd / parts] f32, m, l [R];
     mask(s) masks the scores [R, block_k]. Quantized keys scale each score column by its key's
     scale, quantized values each probability column by its value's scale: no per-element work."""
     fk, fv = fmts
-    (k,), ks = _load(k_ref, ks_ref, pages, fk, q.dtype)
+    (k,), ks = _load(k_ref, ks_ref, pages, fk, q.dtype, ke_ref)
     s = _dot_nt(q, k)
     s = mask((s if ks is None else s * ks[None, :]) * scale)                  # [R, block_k], log2 units
     m_new = jnp.maximum(m, s.max(axis=-1))
     corr = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * corr + p.sum(axis=-1)
-    vt, vs = _load(v_ref, vs_ref, pages, fv, q.dtype)
+    vt, vs = _load(v_ref, vs_ref, pages, fv, q.dtype, ve_ref)
     pv = p if vs is None else p * vs[None, :]
     o = tuple(oi * corr[:, None] + _dot_nn(pv.astype(v.dtype), v) for oi, v in zip(o, vt))
     return o, m_new, l
+
+
+def _split_refs(refs, fmts):
+    """A kernel's refs after the pools -> (k scales, v scales, k escapes, v escapes, outputs)."""
+    n = {"": 0, "bf16p": 4}.get(fmts[0], 2)
+    extra = list(refs[:n]) + [None] * (4 - n)
+    return (*extra, refs[n:])
 
 
 def _parts(fmts) -> int:
@@ -108,9 +137,10 @@ def _kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, *refs, ppb: int, pps: int, sc
     # bt_ref   [pps]            this split's block ids
     # lens_ref [B]              kv lengths
     # q_ref    [Gp, hd]         queries of this kv head (rows >= G are padding)
-    # k_ref, v_ref [P, bs, hd'] this kv head's pool (quantized: codes, then ks_ref, vs_ref [P, bs])
+    # k_ref, v_ref [P, bs, hd'] this kv head's pool (quantized: codes, then ks_ref, vs_ref [P, bs];
+    # bf16p: codes, row bases, then escapes ke_ref, ve_ref [P, E])
     # o_ref [parts, Gp, hd / parts], m_ref / l_ref [Gp]: this split's partial result
-    ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if fmts[0] else (None, None, *refs)
+    ks_ref, vs_ref, ke_ref, ve_ref, (o_ref, m_ref, l_ref) = _split_refs(refs, fmts)
     b, split = pl.program_id(0), pl.program_id(2)
     bs = k_ref.shape[1]
     length = lens_ref[b]
@@ -125,7 +155,7 @@ def _kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, *refs, ppb: int, pps: int, sc
         pages = bt_ref[pl.ds(i * ppb, ppb)]                                   # [ppb]
         tok = (first_page + i * ppb) * bs + jnp.arange(block_k)
         return attend_block(q, *carry, k_ref, v_ref, ks_ref, vs_ref, pages,
-                            lambda s: jnp.where((tok < length)[None, :], s, NEG), scale, fmts)
+                            lambda s: jnp.where((tok < length)[None, :], s, NEG), scale, fmts, ke_ref, ve_ref)
 
     init = (tuple(jnp.zeros((gp, hd // parts), jnp.float32) for _ in range(parts)),
             jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
@@ -136,11 +166,23 @@ def _kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, *refs, ppb: int, pps: int, sc
     l_ref[...] = l
 
 
-def check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts):
+def check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts, k_esc=None, v_esc=None):
     """-> (fmts as a pair, parts); clear errors for pools that do not match q or each other."""
     nH, hd = q.shape[-2:]
     fmts = tuple(fmts or ("", ""))
     nKV, P, bs = k_pool.shape[:3]
+    if "bf16p" in fmts:
+        if fmts != ("bf16p", "bf16p") or q.dtype != jnp.bfloat16:
+            raise ValueError(f"bf16p pools hold bfloat16 keys and values (formats {fmts}, queries {q.dtype})")
+        from .kv_bf16p import code_dims as packed_dims
+        rows, E = (nKV, P, bs), (k_esc.shape[-1] if k_esc is not None else 0)
+        if (k_pool.shape[3], v_pool.shape[3]) != (packed_dims(hd),) * 2 or v_pool.shape[:3] != rows \
+                or k_pool.dtype != jnp.uint8 or nH % nKV:
+            raise ValueError(f"shape mismatch: q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}, formats {fmts}")
+        if any(a is None for a in (k_scale, v_scale, k_esc, v_esc)) or k_scale.shape != rows \
+                or v_scale.shape != rows or k_esc.shape != (nKV, P, E) or v_esc.shape != (nKV, P, E):
+            raise ValueError(f"bf16p pools need row bases {rows} and escapes {(nKV, P, E)} for keys and values")
+        return fmts, 1
     want = [_code_dims(f, hd) for f in fmts]
     if (k_pool.shape[3], v_pool.shape[3]) != tuple(want) or v_pool.shape[:3] != (nKV, P, bs) or nH % nKV:
         raise ValueError(f"shape mismatch: q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}, formats {fmts}")
@@ -159,27 +201,43 @@ def check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts):
 
 
 def _code_dims(fmt: str, hd: int) -> int:
+    from .kv_bf16p import code_dims as packed_dims
     from .kv_quant import code_dims
-    return code_dims(fmt, hd) if fmt else hd
+    return packed_dims(hd) if fmt == "bf16p" else code_dims(fmt, hd) if fmt else hd
 
 
-def pool_specs(P: int, bs: int, hd: int, fmts, head_of) -> list:
-    """BlockSpecs of one KV head's pools (and, quantized, its scales); head_of(*grid) -> the head."""
+def pool_specs(P: int, bs: int, hd: int, fmts, head_of, escapes: int = 0) -> list:
+    """BlockSpecs of one KV head's pools (and, quantized, its scales; bf16p, its row bases and
+    escapes); head_of(*grid) -> the head."""
     dims = [_code_dims(f, hd) for f in fmts]
     specs = [pl.BlockSpec((None, P, bs, d), lambda *g: (head_of(*g), 0, 0, 0)) for d in dims]
     if fmts[0]:
         specs += [pl.BlockSpec((None, P, bs), lambda *g: (head_of(*g), 0, 0))] * 2
+    if fmts[0] == "bf16p":
+        specs += [pl.BlockSpec((None, P, escapes), lambda *g: (head_of(*g), 0, 0))] * 2
     return specs
+
+
+def extra_operands(fmts, k_scale, v_scale, k_esc, v_esc) -> tuple:
+    """The operands after the pools, in pool_specs' order."""
+    return () if not fmts[0] else (k_scale, v_scale, k_esc, v_esc) if fmts[0] == "bf16p" else (k_scale, v_scale)
+
+
+def tile_dtype(fmts, pool_dtype, q_dtype):
+    """The dtype of the K/V tiles a kernel holds, for sizing them (bf16p: rebuilt bf16; also keeps
+    its tiling, hence its arithmetic, that of a BF16 pool)."""
+    return q_dtype if fmts[0] == "bf16p" else pool_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "fmts"))
 def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: float | None = None, k_scale=None,
-                           v_scale=None, fmts=None, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+                           v_scale=None, fmts=None, k_esc=None, v_esc=None, block_sizes: BlockSizes = BlockSizes(),
+                           interpret: bool = False):
     """q [B, nH, hd]; k_pool, v_pool [nKV, P, bs, hd]; block_tables [B, M]; kv_lens [B] -> [B, nH, hd].
     Quantized pools (kv_quant): codes [nKV, P, bs, hd'], k_scale, v_scale [nKV, P, bs] and
-    fmts = (key format, value format)."""
+    fmts = (key format, value format); bf16p pools (kv_bf16p): also k_esc, v_esc [nKV, P, E]."""
     B, nH, hd = q.shape
-    fmts, parts = check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts)
+    fmts, parts = check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts, k_esc, v_esc)
     nKV, P, bs, _ = k_pool.shape
     if block_tables.shape[0] != B or kv_lens.shape != (B,):
         raise ValueError(f"block_tables {block_tables.shape} / kv_lens {kv_lens.shape} do not match batch {B}")
@@ -188,12 +246,13 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
     gp = max(16, 1 << (G - 1).bit_length())                                   # tensor-core rows
     M = block_tables.shape[1]
     pps = min(block_sizes.pages_per_split, 1 << (M - 1).bit_length())
-    ppb = min(block_sizes.pages_per_compute_block, pps, fit_pages(bs, hd, k_pool.dtype, block_sizes.num_stages))
+    ppb = min(block_sizes.pages_per_compute_block, pps,
+              fit_pages(bs, hd, tile_dtype(fmts, k_pool.dtype, q.dtype), block_sizes.num_stages))
     splits = pl.cdiv(M, pps)
     bt = jnp.pad(block_tables, ((0, 0), (0, splits * pps - M)))
     qg = jnp.pad(q.reshape(B, nKV, G, hd), ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     kernel = functools.partial(_kernel, ppb=ppb, pps=pps, scale=scale * LOG2E, fmts=fmts)
-    scales = (k_scale, v_scale) if fmts[0] else ()
+    E = k_esc.shape[-1] if k_esc is not None else 0
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, nKV, splits),
@@ -201,7 +260,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
             pl.BlockSpec((None, pps), lambda b, h, s: (b, s)),                             # block table slice
             pl.BlockSpec((B,), lambda b, h, s: (0,)),                                      # kv_lens
             pl.BlockSpec((None, None, gp, hd), lambda b, h, s: (b, h, 0, 0)),              # q
-            *pool_specs(P, bs, hd, fmts, lambda b, h, s: h),                               # head h's pools
+            *pool_specs(P, bs, hd, fmts, lambda b, h, s: h, E),                            # head h's pools
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, parts, gp, hd // parts), lambda b, h, s: (s, b, h, 0, 0, 0)),
@@ -216,7 +275,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(block_sizes),
         name="paged_decode_attention",
-    )(bt, kv_lens.astype(jnp.int32), qg, k_pool, v_pool, *scales)
+    )(bt, kv_lens.astype(jnp.int32), qg, k_pool, v_pool, *extra_operands(fmts, k_scale, v_scale, k_esc, v_esc))
     o = jnp.moveaxis(o, 3, 4).reshape(splits, B, nKV, gp, hd)                 # halves side by side
     # merge the splits (flash-decoding): rescale each partial to the global max
     m_all = m.max(axis=0)                                                      # [B, nKV, gp]

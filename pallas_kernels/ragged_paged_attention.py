@@ -18,7 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .paged_attention import ragged_paged_attention_reference
-from .paged_decode_attention import LOG2E, NEG, _compiler_params, _parts, attend_block, check_pools, fit_pages, pool_specs
+from .paged_decode_attention import (LOG2E, NEG, _compiler_params, _parts, _split_refs, attend_block, check_pools,
+                                     extra_operands, fit_pages, pool_specs, tile_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, 
     #   (the G heads sharing the KV head, padded to gp, so one tile feeds the tensor cores)
     # k_ref, v_ref [P, bs, hd'] this kv head's pool (quantized: codes, then ks_ref, vs_ref [P, bs])
     # o_ref [parts, (N + block_q) * gp, hd / parts] its outputs (int4 values: two halves)
-    ks_ref, vs_ref, o_ref = refs if fmts[0] else (None, None, *refs)
+    ks_ref, vs_ref, ke_ref, ve_ref, (o_ref,) = _split_refs(refs, fmts)
     b, j = pl.program_id(0), pl.program_id(1)
     bs, hd = k_ref.shape[1], q_ref.shape[1]
     parts = _parts(fmts)
@@ -62,7 +63,7 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, 
                 tok = i * block_k + jnp.arange(block_k)
                 return jnp.where((tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len), s, NEG)
             return attend_block(q, *carry, k_ref, v_ref, ks_ref, vs_ref, bt_ref[pl.ds(i * ppb, ppb)], mask,
-                                scale, fmts)
+                                scale, fmts, ke_ref, ve_ref)
 
         init = (tuple(jnp.zeros((rows, hd // parts), jnp.float32) for _ in range(parts)),
                 jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
@@ -80,13 +81,26 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "fmts"))
 def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale: float | None = None, k_scale=None,
-                           v_scale=None, fmts=None, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+                           v_scale=None, fmts=None, k_esc=None, v_esc=None, block_sizes: BlockSizes = BlockSizes(),
+                           interpret: bool = False):
     """q [N, nH, hd]; k_pool, v_pool [nKV, P, bs, hd]; block_tables [B, M]; kv_lens [B]; cu_q [B + 1]
     -> [N, nH, hd] (rows past cu_q[B] are zero). Quantized pools: as paged_decode_attention."""
     N, nH, hd = q.shape
-    fmts, parts = check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts)
+    fmts, parts = check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts, k_esc, v_esc)
     nKV, P, bs, _ = k_pool.shape
     B, M = block_tables.shape
+    if fmts[0] == "bf16p":
+        # rebuild the batch's blocks as BF16 and run the plain kernel: rebuilding tiles inside this
+        # kernel let Hopper pick other MMA instructions for its 128-row tiles (last-bit differences,
+        # seen on the H200), and bf16p promises BF16's bits. Prefill is compute-bound: one more pass
+        # over its blocks costs little (decode, bandwidth-bound, rebuilds tiles in its kernel).
+        from .kv_bf16p import decode_rows
+        flat = block_tables.reshape(-1)
+        kb, vb = (decode_rows(p[:, flat], s[:, flat], e[:, flat]) for p, s, e in
+                  ((k_pool, k_scale, k_esc), (v_pool, v_scale, v_esc)))                 # [nKV, B*M, bs, hd]
+        tables = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+        return ragged_paged_attention(q, kb, vb, tables, kv_lens, cu_q, scale, block_sizes=block_sizes,
+                                      interpret=interpret)
     if kv_lens.shape != (B,) or cu_q.shape != (B + 1,):
         raise ValueError(f"kv_lens {kv_lens.shape} / cu_q {cu_q.shape} do not match batch {B}")
     scale = hd ** -0.5 if scale is None else scale
@@ -97,13 +111,13 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
     rows = max(gp, min(block_sizes.block_rows, 1 << max(0, fit.bit_length() - 1)))
     bq = max(1, rows // gp)
     ppb = max(1, min(block_sizes.pages_per_compute_block, M,
-                     fit_pages(bs, hd, k_pool.dtype, block_sizes.num_stages, 96 * 1024)))
+                     fit_pages(bs, hd, tile_dtype(fmts, k_pool.dtype, q.dtype), block_sizes.num_stages, 96 * 1024)))
     Mp = pl.cdiv(M, ppb) * ppb
     bt = jnp.pad(block_tables, ((0, 0), (0, Mp - M)))
     qh = q.reshape(N, nKV, G, hd).transpose(1, 0, 2, 3)                              # [nKV, N, G, hd]
     qh = jnp.pad(qh, ((0, 0), (0, bq), (0, gp - G), (0, 0))).reshape(nKV, (N + bq) * gp, hd)
     kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale * LOG2E, fmts=fmts)
-    scales = (k_scale, v_scale) if fmts[0] else ()
+    E = k_esc.shape[-1] if k_esc is not None else 0
     out = pl.pallas_call(
         kernel,
         grid=(B, pl.cdiv(N, bq), nKV),
@@ -112,14 +126,15 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
             pl.BlockSpec((B,), lambda b, j, h: (0,)),
             pl.BlockSpec((None, Mp), lambda b, j, h: (b, 0)),
             pl.BlockSpec((None, (N + bq) * gp, hd), lambda b, j, h: (h, 0, 0)),
-            *pool_specs(P, bs, hd, fmts, lambda b, j, h: h),
+            *pool_specs(P, bs, hd, fmts, lambda b, j, h: h, E),
         ],
         out_specs=pl.BlockSpec((None, parts, (N + bq) * gp, hd // parts), lambda b, j, h: (h, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((nKV, parts, (N + bq) * gp, hd // parts), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(block_sizes),
         name="ragged_paged_attention",
-    )(cu_q.astype(jnp.int32), kv_lens.astype(jnp.int32), bt, qh, k_pool, v_pool, *scales)
+    )(cu_q.astype(jnp.int32), kv_lens.astype(jnp.int32), bt, qh, k_pool, v_pool,
+      *extra_operands(fmts, k_scale, v_scale, k_esc, v_esc))
     out = jnp.moveaxis(out.reshape(nKV, parts, N + bq, gp, hd // parts), 1, 3)      # halves side by side
     out = out.reshape(nKV, N + bq, gp, hd)[:, :N, :G].transpose(1, 0, 2, 3).reshape(N, nH, hd)
     valid = jnp.arange(N) < cu_q[B]

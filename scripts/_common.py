@@ -76,10 +76,12 @@ def apply_route(a) -> None:
 
 
 def add_kv_dtype_arg(p):
-    p.add_argument("--kv-dtype", default=None, choices=["model", "int8", "fp8", "k8v4"],
+    p.add_argument("--kv-dtype", default=None, choices=["model", "int8", "fp8", "k8v4", "bf16p"],
                    help="store K and V quantized, one f32 scale per head and token (k8v4: 8-bit keys, 4-bit "
-                        "values): about half (int8, fp8) or 40%% (k8v4) of bf16's KV bytes; model: in the model "
-                        "dtype (the default, unless a converted checkpoint names another)")
+                        "values): about half (int8, fp8) or 40%% (k8v4) of bf16's KV bytes; bf16p: bfloat16 "
+                        "packed losslessly in ~0.8x the bytes (bit-identical output; a request whose K/V cannot "
+                        "be packed fails alone); model: in the model dtype (the default, unless a converted "
+                        "checkpoint names another)")
 
 
 def add_engine_args(p):

@@ -386,8 +386,17 @@ class Bench:
 def quantized_pools(kp, vp, kv_dtype: str):
     """bf16 pools [nKV, P, bs, hd] quantized as --kv-dtype stores them -> ((k codes, v codes),
     {k_scale, v_scale, fmts}) for the attention kernels."""
-    from pallas_kernels import kv_quant
+    from pallas_kernels import kv_bf16p, kv_quant
     fmts = KV_DTYPES[kv_dtype]
+    if kv_dtype == "bf16p":
+        nKV, P, bs, hd = kp.shape
+        packed = []
+        for x in (kp, vp):
+            state = (jnp.zeros((nKV, P, bs, kv_bf16p.code_dims(hd)), jnp.uint8), jnp.zeros((nKV, P, bs), jnp.float32),
+                     jnp.zeros((nKV, P, kv_bf16p.ESCAPES), jnp.int32))
+            packed.append(kv_bf16p.write(*state, x.reshape(nKV, P * bs, hd).swapaxes(0, 1), jnp.arange(P * bs))[:3])
+        (kc, ks, ke), (vc, vs, ve) = packed
+        return (kc, vc), dict(k_scale=ks, v_scale=vs, k_esc=ke, v_esc=ve, fmts=fmts)
     out = []
     for x, f in zip((kp, vp), fmts):
         s = kv_quant.row_scale(x.astype(jnp.float32), f)

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the tensors that stay unquantized (default %(default)s)")
 
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4"],
+    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4", "bf16p"],
                    help="the KV cache dtype the checkpoint is served with by default (its manifest says so; "
                         "infernix-serve --kv-dtype overrides it, --kv-dtype model for the model dtype); "
                         "default: the model dtype")

@@ -127,6 +127,8 @@ def test_serve_plan_prints_the_allocation_without_loading(smollm):
     k = run_cli("scripts.serve", "--plan", "--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-gib", "0.5",
                 "--kv-dtype", "k8v4")                         # 30 layers x 3 heads x (64 + 32 codes + 2 scales)
     assert k.returncode == 0 and "KV per token:       9.1 KiB (k8v4)" in k.stdout, k.stdout
+    p = run_cli("scripts.serve", "--plan", "--kv-dtype", "bf16p")      # lossless packing of bfloat16 only
+    assert p.returncode == 2 and "add --dtype bfloat16" in p.stderr and "Traceback" not in p.stderr, p.stderr
     bad = run_cli("scripts.serve", "--plan", "--max-num-seqs", "0")
     assert bad.returncode == 2 and "max-num-seqs" in bad.stderr and "Traceback" not in bad.stderr
     for flags, msg in ((["--ssd-context-gib", "1"], "needs --ssd-context-dir"),

@@ -80,28 +80,29 @@ def test_padding_slots_are_dropped_and_untouched_rows_keep_their_codes():
     assert (np.asarray(new_scale)[:, b, o] > 0).all()
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "k8v4", "bf16p"])
 def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtype):
     import dataclasses
     from infernix_jax.models import kv_blocks
     from infernix_jax.models.paged import init_paged_kv
     cfg = dataclasses.replace(smollm.cfg, num_layers=2)
     rng = np.random.default_rng(4)
-    kv = init_paged_kv(cfg, 8, bs, jnp.float32, kv_dtype=kv_dtype)
+    dtype = jnp.bfloat16 if kv_dtype == "bf16p" else jnp.float32
+    kv = init_paged_kv(cfg, 8, bs, dtype, kv_dtype=kv_dtype)
     rand = lambda arrays, f: tuple(f(x) for x in arrays)                        # noqa: E731
-    kv = kv.replace(k=rand(kv.k, lambda x: jnp.asarray(rng.integers(0, 100, x.shape)).astype(x.dtype)),
-                    v=rand(kv.v, lambda x: jnp.asarray(rng.integers(0, 100, x.shape)).astype(x.dtype)),
+    ints = lambda x: jnp.asarray(rng.integers(0, 100, x.shape)).astype(x.dtype)  # noqa: E731
+    kv = kv.replace(k=rand(kv.k, ints), v=rand(kv.v, ints), k_esc=rand(kv.k_esc, ints), v_esc=rand(kv.v_esc, ints),
                     k_scale=rand(kv.k_scale, lambda x: jnp.asarray(rng.uniform(size=x.shape), jnp.float32)),
                     v_scale=rand(kv.v_scale, lambda x: jnp.asarray(rng.uniform(size=x.shape), jnp.float32)))
-    fresh = init_paged_kv(cfg, 8, bs, jnp.float32, kv_dtype=kv_dtype)
+    fresh = init_paged_kv(cfg, 8, bs, dtype, kv_dtype=kv_dtype)
     for k, v, lo, hi in kv_blocks.read_blocks(kv, [1, 2, 5]):
         assert np.asarray(k).dtype == np.uint8                                   # codes and scale as bytes
         fresh = kv_blocks.write_rows(fresh, np.asarray(k), np.asarray(v), list(range(hi - lo)), [6, 7, 0][lo:hi])
     bits = lambda a: np.ascontiguousarray(a).view(np.uint8)                      # noqa: E731
-    before = [np.asarray(a) for a in kv.k + kv.v + kv.k_scale + kv.v_scale]
+    every = lambda kv: kv.k + kv.v + kv.k_scale + kv.v_scale + kv.k_esc + kv.v_esc  # noqa: E731
+    before = [np.asarray(a) for a in every(kv)]
     copied = kv_blocks.copy_blocks(kv, [(1, 3)])                                 # (kv is donated)
-    for a, b, c in zip(before, fresh.k + fresh.v + fresh.k_scale + fresh.v_scale,
-                       copied.k + copied.v + copied.k_scale + copied.v_scale):
+    for a, b, c in zip(before, every(fresh), every(copied), strict=True):
         np.testing.assert_array_equal(bits(a[:, [1, 2, 5]]), bits(b[:, [6, 7, 0]]))
         np.testing.assert_array_equal(bits(c[:, 3]), bits(a[:, 1]))
 

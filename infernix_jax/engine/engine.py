@@ -62,7 +62,7 @@ class Engine:
                  ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
                  kv_dtype: str = ""):
         from ..models.paged import check_kv_dtype
-        check_kv_dtype(kv_dtype)                  # before the plan sizes a pool for it
+        check_kv_dtype(kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
         self.kv_dtype = kv_dtype
         self.model = model
         self.cfg = model.cfg
@@ -222,7 +222,22 @@ class Engine:
         outs = self.runner.run(plan, k)      # waits for the step's tokens
         if self.cache is not None and k == 1:
             self.cache.costs.prefill(sum(n for _, n in plan), time.perf_counter() - t)
+        self._fail_unpacked(plan)
         self._postprocess(plan, k, outs)
+
+    def _fail_unpacked(self, plan) -> None:
+        """--kv-dtype bf16p: a request whose K/V a step could not pack losslessly fails alone (its
+        step's tokens are dropped: nothing of this step is cached for it); the others go on."""
+        lost = self.runner.take_lost()
+        if not lost:
+            return
+        for seq, _ in plan:
+            if seq.status is Status.RUNNING and lost & set(seq.block_ids):
+                log.warning("request %s: K/V not packable losslessly (bf16p); the request fails", seq.id)
+                self._emit(seq, Event("error", message=(
+                    "this request's K/V cannot be stored losslessly with --kv-dtype bf16p (a block needed more "
+                    "exponent escapes than it holds); run it on a server with another --kv-dtype")))
+                self._finish(seq, "abort")
 
     def _drop_cancelled(self) -> None:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:

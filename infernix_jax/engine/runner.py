@@ -3,6 +3,7 @@ step (or several decode steps in one dispatch), and brings the sampled tokens ba
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..models.hybrid_paged import StateRows
@@ -21,6 +22,9 @@ class StepOutput:
 
 
 STOP_WIDTH = 8        # stop token ids per row the device checks (a fixed width: no recompiles)
+
+
+_any = jax.jit(jnp.any)
 
 
 class Runner:
@@ -42,6 +46,15 @@ class Runner:
     def reset_kv(self) -> None:
         self.kv: PagedKV = init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots,
                                          self.kv_dtype)
+
+    def take_lost(self) -> set[int]:
+        """--kv-dtype bf16p: the blocks a step could not pack losslessly (kv_bf16p), cleared as they
+        are read; empty for every other KV format (and then free: no transfer)."""
+        if self.kv.lost is None or not bool(_any(self.kv.lost)):
+            return set()
+        ids = np.flatnonzero(np.asarray(self.kv.lost))
+        self.kv = self.kv.replace(lost=jnp.zeros_like(self.kv.lost))
+        return set(int(i) for i in ids)
 
     def _state_rows(self, plan, B: int, N: int) -> StateRows | None:
         """Hybrids: the two layouts of the linear layers (one-token rows, several-token rows)."""

@@ -45,33 +45,48 @@ def host_block_layout(cfg, block_size: int, dtype, kv_dtype: str = ""):
     L, nKV = num_attention_layers(cfg), cfg.num_kv_heads
     if not kv_dtype:
         return (L, nKV, block_size, cfg.head_dim), (L, nKV, block_size, cfg.head_dim), np.dtype(dtype)
+    if kv_dtype == "bf16p":                  # codes, row bases, the block's escapes
+        from pallas_kernels import kv_bf16p
+        R = block_size * (kv_bf16p.code_dims(cfg.head_dim) + 4) + 4 * kv_bf16p.ESCAPES
+        return (L, nKV, R), (L, nKV, R), np.dtype(np.uint8)
     k, v = ((L, nKV, block_size * (kv_quant.code_dims(f, cfg.head_dim) * jnp.dtype(kv_quant.code_dtype(f)).itemsize + 4))
             for f in KV_DTYPES[kv_dtype])
     return k, v, np.dtype(np.uint8)
 
 
-def _to_bytes(codes, scale):
-    """codes [nKV, n, bs, hd'], scale [nKV, n, bs] -> [nKV, n, R] uint8 (codes' bytes, then the scales')."""
+def _to_bytes(codes, scale, esc=None):
+    """codes [nKV, n, bs, hd'], scale [nKV, n, bs] (bf16p: and escapes [nKV, n, E]) -> [nKV, n, R]
+    uint8 (codes' bytes, then the scales', then the escapes')."""
     nKV, n, _ = scale.shape
-    c = jax.lax.bitcast_convert_type(codes, jnp.uint8)                                 # 1-byte codes
-    s = jax.lax.bitcast_convert_type(scale, jnp.uint8)                                 # [nKV, n, bs, 4]
-    return jnp.concatenate([c.reshape(nKV, n, -1), s.reshape(nKV, n, -1)], axis=-1)
+    parts = [jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(nKV, n, -1),        # 1-byte codes
+             jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(nKV, n, -1)]        # [nKV, n, bs * 4]
+    if esc is not None:
+        parts.append(jax.lax.bitcast_convert_type(esc, jnp.uint8).reshape(nKV, n, -1))
+    return jnp.concatenate(parts, axis=-1)
 
 
-def _from_bytes(b, like):
-    """[nKV, n, R] uint8 -> (codes [nKV, n, bs, hd'] in like's dtype, scale [nKV, n, bs] f32); like: the pool."""
+def _from_bytes(b, like, escapes: int = 0):
+    """[nKV, n, R] uint8 -> (codes [nKV, n, bs, hd'] in like's dtype, scale [nKV, n, bs] f32,
+    escapes [nKV, n, E] int32 or None); like: the pool."""
     nKV, n, _ = b.shape
     bs = like.shape[2]
-    codes = jax.lax.bitcast_convert_type(b[..., :-4 * bs].reshape(nKV, n, *like.shape[2:]), like.dtype)
-    return codes, jax.lax.bitcast_convert_type(b[..., -4 * bs:].reshape(nKV, n, bs, 4), jnp.float32)
+    nc = int(np.prod(like.shape[2:]))
+    codes = jax.lax.bitcast_convert_type(b[..., :nc].reshape(nKV, n, *like.shape[2:]), like.dtype)
+    scale = jax.lax.bitcast_convert_type(b[..., nc:nc + 4 * bs].reshape(nKV, n, bs, 4), jnp.float32)
+    esc = None
+    if escapes:
+        esc = jax.lax.bitcast_convert_type(b[..., nc + 4 * bs:].reshape(nKV, n, escapes, 4), jnp.int32)
+    return codes, scale, esc
 
 
 @jax.jit
 def _gather(kv: PagedKV, ids):
     # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]; quantized: [n, L, nKV, R] bytes
     if kv.kv_dtype:
-        return tuple(jnp.stack([_to_bytes(x[:, ids], s[:, ids]) for x, s in zip(a, sc)], 1).transpose(2, 1, 0, 3)
-                     for a, sc in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)))
+        esc = lambda e, j: None if not e else e[j][:, ids]  # noqa: E731
+        return tuple(jnp.stack([_to_bytes(x[:, ids], s[:, ids], esc(e, j)) for j, (x, s) in enumerate(zip(a, sc))],
+                               1).transpose(2, 1, 0, 3)
+                     for a, sc, e in ((kv.k, kv.k_scale, kv.k_esc), (kv.v, kv.v_scale, kv.v_esc)))
     return tuple(jnp.stack([x[:, ids] for x in a], 1).transpose(2, 1, 0, 3, 4) for a in (kv.k, kv.v))
 
 
@@ -90,12 +105,14 @@ def read_blocks(kv: PagedKV, ids: list[int]) -> list:
 def _scatter(kv: PagedKV, k, v, rows, dst):
     # rows of k, v [n, L, nKV, bs, hd] -> layer j's [nKV, P, bs, hd] at blocks dst (past P: dropped)
     if kv.kv_dtype:
-        def put_q(pool, scales, new):
-            out = [_from_bytes(new[rows][:, j].swapaxes(0, 1), x) for j, x in enumerate(pool)]
-            return (tuple(x.at[:, dst].set(c, mode="drop") for x, (c, _) in zip(pool, out)),
-                    tuple(s.at[:, dst].set(sc, mode="drop") for s, (_, sc) in zip(scales, out)))
-        (kk, ks), (vv, vs) = put_q(kv.k, kv.k_scale, k), put_q(kv.v, kv.v_scale, v)
-        return kv.replace(k=kk, v=vv, k_scale=ks, v_scale=vs)
+        E = kv.k_esc[0].shape[-1] if kv.k_esc else 0
+
+        def put_q(pool, scales, escs, new):
+            out = [_from_bytes(new[rows][:, j].swapaxes(0, 1), x, E) for j, x in enumerate(pool)]
+            put = lambda arrays, i: tuple(x.at[:, dst].set(o[i], mode="drop") for x, o in zip(arrays, out))  # noqa: E731
+            return put(pool, 0), put(scales, 1), (put(escs, 2) if E else escs)
+        (kk, ks, ke), (vv, vs, ve) = put_q(kv.k, kv.k_scale, kv.k_esc, k), put_q(kv.v, kv.v_scale, kv.v_esc, v)
+        return kv.replace(k=kk, v=vv, k_scale=ks, v_scale=vs, k_esc=ke, v_esc=ve)
 
     def put(pool, new):
         new = new[rows]
@@ -135,7 +152,8 @@ def stack_pieces(blocks: list) -> list:
 @partial(jax.jit, donate_argnames=("kv",))
 def _copy(kv: PagedKV, src, dst):
     move = lambda arrays: tuple(x.at[:, dst].set(x[:, src], mode="drop") for x in arrays)  # noqa: E731
-    return kv.replace(k=move(kv.k), v=move(kv.v), k_scale=move(kv.k_scale), v_scale=move(kv.v_scale))
+    return kv.replace(k=move(kv.k), v=move(kv.v), k_scale=move(kv.k_scale), v_scale=move(kv.v_scale),
+                      k_esc=move(kv.k_esc), v_esc=move(kv.v_esc))
 
 
 def copy_blocks(kv: PagedKV, pairs: list[tuple[int, int]]) -> PagedKV:

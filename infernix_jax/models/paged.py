@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels import kv_bf16p
 from pallas_kernels import kv_quant as kq
 from pallas_kernels import paged_attention as pa
 
@@ -29,6 +30,12 @@ class PagedKV:
     k_scale: tuple = ()
     v_scale: tuple = ()
     kv_dtype: str = struct.field(pytree_node=False, default="")
+    # bf16p (pallas_kernels/kv_bf16p.py): k_scale / v_scale hold each row's base exponent, k_esc[j],
+    # v_esc[j] [nKV, P, E] int32 each block's escapes; lost [P] bool marks blocks a write could not
+    # pack (sticky until the engine reads and clears it: their requests fail)
+    k_esc: tuple = ()
+    v_esc: tuple = ()
+    lost: object = None
 
     @property
     def num_blocks(self) -> int:
@@ -43,13 +50,18 @@ def num_attention_layers(cfg: ModelConfig) -> int:
     return sum(not cfg.is_linear_layer(i) for i in range(cfg.num_layers))
 
 
-# --kv-dtype -> (key format, value format) of kv_quant
-KV_DTYPES = {"int8": ("int8", "int8"), "fp8": ("fp8", "fp8"), "k8v4": ("int8", "int4")}
+# --kv-dtype -> (key format, value format) of kv_quant (bf16p: kv_bf16p, lossless)
+KV_DTYPES = {"int8": ("int8", "int8"), "fp8": ("fp8", "fp8"), "k8v4": ("int8", "int4"), "bf16p": ("bf16p", "bf16p")}
 
 
-def check_kv_dtype(kv_dtype: str, head_dim: int | None = None) -> None:
+def check_kv_dtype(kv_dtype: str, head_dim: int | None = None, dtype=None) -> None:
     if kv_dtype and kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "bf16p" and dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+        raise ValueError(f"--kv-dtype bf16p packs bfloat16 K and V losslessly: the model runs in {jnp.dtype(dtype).name} "
+                         f"(add --dtype bfloat16)")
+    if kv_dtype == "bf16p" and head_dim is not None and head_dim % 2:
+        raise ValueError(f"--kv-dtype bf16p packs two exponent codes a byte: head_dim {head_dim} is odd")
     if head_dim is not None and "int4" in KV_DTYPES.get(kv_dtype, ()) and head_dim % 2:
         raise ValueError(f"--kv-dtype {kv_dtype} packs two 4-bit values a byte: head_dim {head_dim} is odd")
 
@@ -58,7 +70,7 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
                   kv_dtype: str = "") -> PagedKV:
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     n_attn = num_attention_layers(cfg)
-    check_kv_dtype(kv_dtype, cfg.head_dim)
+    check_kv_dtype(kv_dtype, cfg.head_dim, dtype)
     conv, ssm = (), ()
     if cfg.layer_types:
         from .hybrid import state_shapes
@@ -66,6 +78,13 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
         n_lin = cfg.num_layers - n_attn
         conv = tuple(jnp.zeros(cs, cd) for _ in range(n_lin))
         ssm = tuple(jnp.zeros(ss, sd) for _ in range(n_lin))
+    if kv_dtype == "bf16p":
+        pools = lambda: tuple(jnp.zeros((*shape[:3], kv_bf16p.code_dims(shape[3])), jnp.uint8)  # noqa: E731
+                              for _ in range(n_attn))
+        rows = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(n_attn))          # noqa: E731
+        esc = lambda: tuple(jnp.zeros((*shape[:2], kv_bf16p.ESCAPES), jnp.int32) for _ in range(n_attn))  # noqa: E731
+        return PagedKV(k=pools(), v=pools(), conv=conv, ssm=ssm, k_scale=rows(), v_scale=rows(), kv_dtype=kv_dtype,
+                       k_esc=esc(), v_esc=esc(), lost=jnp.zeros((num_blocks,), bool))
     if kv_dtype:
         fk, fv = KV_DTYPES[kv_dtype]
         pool = lambda f: jnp.zeros((*shape[:3], kq.code_dims(f, shape[3])), kq.code_dtype(f))  # noqa: E731
@@ -79,10 +98,12 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
 def kv_bytes_per_block(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: int = 16) -> int:
     """K and V bytes of one block of block_size tokens over all attention layers (quantized: codes
     plus the f32 scale of each row)."""
-    check_kv_dtype(kv_dtype, cfg.head_dim)        # (the plan too refuses what the pool would)
+    check_kv_dtype(kv_dtype, cfg.head_dim, dtype)     # (the plan too refuses what the pool would)
     per = num_attention_layers(cfg) * cfg.num_kv_heads
     if not kv_dtype:
         return 2 * per * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    if kv_dtype == "bf16p":                 # codes, a base per row, the block's escapes
+        return 2 * per * (block_size * (kv_bf16p.code_dims(cfg.head_dim) + 4) + 4 * kv_bf16p.ESCAPES)
     return per * block_size * sum(kq.code_dims(f, cfg.head_dim) * jnp.dtype(kq.code_dtype(f)).itemsize + 4
                      for f in KV_DTYPES[kv_dtype])
 
@@ -118,9 +139,17 @@ def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str
     pools() gives the updated k, v (and scales) as PagedKV fields."""
     decode_fn, ragged_fn = _attention_fns(attn_impl)
     k_pool, v_pool, k_scale, v_scale = list(kv.k), list(kv.v), list(kv.k_scale), list(kv.v_scale)
+    k_esc, v_esc, lost = list(kv.k_esc), list(kv.v_esc), [kv.lost]
 
     def attend(j, q, k, v):
-        if kv.kv_dtype:
+        if kv.kv_dtype == "bf16p":
+            k_pool[j], k_scale[j], k_esc[j], lk = kv_bf16p.write(k_pool[j], k_scale[j], k_esc[j], k[0], slots)
+            v_pool[j], v_scale[j], v_esc[j], lv = kv_bf16p.write(v_pool[j], v_scale[j], v_esc[j], v[0], slots)
+            bs = k_pool[j].shape[2]
+            lost[0] = lost[0].at[slots // bs].max(lk | lv, mode="drop")
+            extra = dict(k_scale=k_scale[j], v_scale=v_scale[j], k_esc=k_esc[j], v_esc=v_esc[j],
+                         fmts=("bf16p", "bf16p"))
+        elif kv.kv_dtype:
             fk, fv = KV_DTYPES[kv.kv_dtype]
             k_pool[j], k_scale[j] = kq.write(k_pool[j], k_scale[j], k[0], slots, fk)
             v_pool[j], v_scale[j] = kq.write(v_pool[j], v_scale[j], v[0], slots, fv)
@@ -135,7 +164,8 @@ def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str
         return o[None]
 
     def pools() -> dict:
-        return dict(k=tuple(k_pool), v=tuple(v_pool), k_scale=tuple(k_scale), v_scale=tuple(v_scale))
+        return dict(k=tuple(k_pool), v=tuple(v_pool), k_scale=tuple(k_scale), v_scale=tuple(v_scale),
+                    k_esc=tuple(k_esc), v_esc=tuple(v_esc), lost=lost[0])
     return attend, pools
 
 
