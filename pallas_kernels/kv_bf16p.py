@@ -21,14 +21,26 @@ starts it afresh. The decode kernel rebuilds each tile in registers and keeps a 
 (bit-identical on the H200); prefill rebuilds the batch's blocks as BF16 first and runs the plain
 kernel (ragged_paged_attention), so its bits are BF16's by construction.
 
-12 bits a value plus 4 bytes a row plus 4E bytes a block-head: 0.78x BF16's bytes at head_dim 128."""
+12 bits a value plus 4 bytes a row plus 4E bytes a block-head: 0.77x BF16's bytes at head_dim 128.
+
+Mixed steps (prefill chunks, and decodes while other work is queued) rebuild their batch's blocks as
+BF16 before the plain ragged kernel (the plan budgets that buffer): exact, but such a step moves
+more bytes than BF16 KV would; the fused rebuild in the ragged kernel gave other bits than BF16 on
+the H200 (not yet understood), so it is not used."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 ESCAPES = 8
-FAR = 14          # the largest distance below the base a nibble holds; 15: exponent field 0 / escape
+FAR = 14
+MAX_BLOCK_VALUES = 1 << 16     # an escape's position in its block has 16 bits: block_size x head_dim below this          # the largest distance below the base a nibble holds; 15: exponent field 0 / escape
+
+
+def check_block(block_size: int, hd: int) -> None:
+    if block_size * hd >= MAX_BLOCK_VALUES:
+        raise ValueError(f"--kv-dtype bf16p: a block of {block_size} tokens x head_dim {hd} has more values than an "
+                         f"escape can address ({MAX_BLOCK_VALUES}); use --block-size {MAX_BLOCK_VALUES // hd // 2} or less")
 
 
 def code_dims(hd: int) -> int:

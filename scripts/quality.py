@@ -58,6 +58,9 @@ def main(argv=None) -> int:
                              f"choose from none, {', '.join(FORMATS)}")
         from infernix_jax.models.paged import KV_DTYPES
         kvs = [k for k in a.kv_dtype.split(",") if k]
+        if "bf16p" in kvs:
+            raise ValueError("--kv-dtype bf16p is lossless (KL 0 by construction; tests/test_kv_bf16p.py checks the "
+                             "bits): infernix-quality measures the lossy KV dtypes, none, int8, fp8, k8v4")
         bad = set(kvs) - set(KV_DTYPES) - {"none"}
         if not kvs or bad:
             raise ValueError(f"unknown --kv-dtype {', '.join(sorted(bad)) or '(none given)'}; "

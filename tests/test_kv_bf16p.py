@@ -163,6 +163,7 @@ def test_an_engine_on_bf16p_kv_is_bit_identical_to_bf16(tiny_bf16, impl):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     assert [r.token_ids for r in again] == [r.token_ids for r in want]
     assert any(r.cached_tokens for r in got)                     # the second shared the first's blocks
+    assert any(np.asarray(e).any() for e in eng.runner.kv.k_esc + eng.runner.kv.v_esc)   # escapes in play
     # per head and block: 16 rows x (16 sign|mantissa bytes + 8 nibble bytes + a 4-byte base) + 8 escapes
     # (0.94x bf16 at this toy head_dim of 16; 0.77x at 128)
     assert eng.plan.block_bytes == 2 * 2 * 2 * (16 * (16 + 8 + 4) + 4 * kb.ESCAPES)
@@ -235,3 +236,22 @@ def test_bf16p_blocks_come_back_from_the_ssd_tier_and_the_cache_file(tiny_bf16, 
         eng.close()
         assert got.token_ids == want[0].token_ids
     assert got.cached_tokens == len(prompt) - 1
+
+
+def test_blocks_too_large_for_an_escape_position_are_refused(tiny_bf16):
+    import dataclasses
+    from infernix_jax.models.paged import init_paged_kv
+    cfg = dataclasses.replace(tiny_bf16.cfg, head_dim=128)
+    init_paged_kv(cfg, 4, 256, jnp.bfloat16, kv_dtype="bf16p")                  # 256 x 128 = 32768: fine
+    with pytest.raises(ValueError, match="use --block-size 256 or less"):
+        init_paged_kv(cfg, 4, 512, jnp.bfloat16, kv_dtype="bf16p")
+    with pytest.raises(ValueError, match="add --dtype bfloat16"):
+        init_paged_kv(cfg, 4, 16, jnp.float32, kv_dtype="bf16p")
+
+
+def test_the_plan_counts_the_bf16_rebuild_of_a_mixed_step(tiny_bf16):
+    from infernix_jax.engine.plan import make_plan
+    kw = dict(max_model_len=1000, max_num_seqs=3, kv_cache_gib=0.01)
+    plain, packed = make_plan(tiny_bf16.cfg, jnp.bfloat16, **kw), make_plan(tiny_bf16.cfg, jnp.bfloat16, kv_dtype="bf16p", **kw)
+    # 4 rows (3 bucketed) x 64 blocks (1016 tokens / 16, bucketed) x 16 tokens x 2 heads x 16 dims x 2 bytes, K and V
+    assert packed.workspace_bytes - plain.workspace_bytes == 2 * 4 * 64 * 16 * 2 * 16 * 2

@@ -81,6 +81,7 @@ def test_quality_cli_measures_routes_and_floors(smollm, tmp_path, capsys):
     (["--text", "README.md", "--weights", "int3"], "unknown --weights int3"),
     (["--text", "README.md", "--route", "fast"], "--route takes default and/or lossless"),
     (["--text", "README.md", "--kv-dtype", "int2"], "unknown --kv-dtype int2"),
+    (["--text", "README.md", "--kv-dtype", "bf16p"], "bf16p is lossless"),
     (["--text", "README.md", "--ctx", "4"], "--ctx and --max-tokens must be >= 16"),
 ])
 def test_quality_cli_bad_input_is_one_line(args, msg, capsys):

@@ -234,6 +234,7 @@ class Engine:
         for seq, _ in plan:
             if seq.status is Status.RUNNING and lost & set(seq.block_ids):
                 log.warning("request %s: K/V not packable losslessly (bf16p); the request fails", seq.id)
+                seq.state_dirty = True      # (a hybrid's state absorbed the step: no snapshot of it)
                 self._emit(seq, Event("error", message=(
                     "this request's K/V cannot be stored losslessly with --kv-dtype bf16p (a block needed more "
                     "exponent escapes than it holds); run it on a server with another --kv-dtype")))

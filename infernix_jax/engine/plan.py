@@ -88,6 +88,10 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
     if cfg.layer_types:   # the linear layers' padded prefill layout: conv inputs, gates, chunk matrices
         conv = 2 * cfg.lin_k_heads * cfg.lin_k_dim + cfg.lin_v_heads * cfg.lin_v_dim
         workspace += HYBRID_PREFILL_ROWS * max_num_batched_tokens * (3 * conv + 5 * cfg.lin_v_heads * 64) * 4
+    if kv_dtype == "bf16p":   # a mixed step rebuilds its batch's blocks as BF16 (K and V of one layer)
+        b = 1 << max(0, max_num_seqs - 1).bit_length()
+        m = 1 << max(0, -(-(max_model_len + 16) // block_size) - 1).bit_length()
+        workspace += 2 * b * m * block_size * cfg.num_kv_heads * cfg.head_dim * 2
     state = max_num_seqs * state_bytes_per_seq(cfg, dtype)
     device = device_memory_bytes()
     if kv_cache_gib is not None:

@@ -71,6 +71,8 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     n_attn = num_attention_layers(cfg)
     check_kv_dtype(kv_dtype, cfg.head_dim, dtype)
+    if kv_dtype == "bf16p":
+        kv_bf16p.check_block(block_size, cfg.head_dim)
     conv, ssm = (), ()
     if cfg.layer_types:
         from .hybrid import state_shapes
@@ -99,6 +101,8 @@ def kv_bytes_per_block(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: 
     """K and V bytes of one block of block_size tokens over all attention layers (quantized: codes
     plus the f32 scale of each row)."""
     check_kv_dtype(kv_dtype, cfg.head_dim, dtype)     # (the plan too refuses what the pool would)
+    if kv_dtype == "bf16p":
+        kv_bf16p.check_block(block_size, cfg.head_dim)
     per = num_attention_layers(cfg) * cfg.num_kv_heads
     if not kv_dtype:
         return 2 * per * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize

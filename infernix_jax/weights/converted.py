@@ -243,7 +243,7 @@ def convert(spec: str, dst: str | Path, weights: str | None = None, dtype: str =
     from ..models.paged import check_kv_dtype
     from ..quant import check_weights
     check_weights(weights, dtype)
-    check_kv_dtype(kv_dtype)
+    check_kv_dtype(kv_dtype, dtype=DTYPES.get(dtype))
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     src_path = resolve(spec)
