@@ -3,10 +3,12 @@ it runs on any recent NVIDIA GPU; `interpret=True` runs it on the CPU for tests.
 model dtype or quantized ones (kv_quant: codes with a scale per head and token row).
 
 Grid (batch, kv head, split): each program takes one sequence, one KV head with its G query heads
-(padded to 16 rows for the tensor cores), and a fixed-size slice of the sequence (`pages_per_split`
-blocks, independent of the batch size, so that results never depend on what else is batched).
+(padded to 16 rows for the tensor cores), and a slice of the sequence (`pages_per_split` blocks).
 It walks its blocks `pages_per_compute_block` at a time with an online softmax and writes a partial
-(o, max, sum); the splits are merged in jnp afterwards (flash-decoding)."""
+(o, max, sum); the splits are merged in jnp afterwards (flash-decoding). When batch x KV heads is
+small (batch 1: 8 programs for qwen3-8b on 132 SMs) the slices shrink until there are about
+`min_programs` programs: the split size then depends on the batch's shape (B and the block-table
+width), as cuBLAS's choice of algorithm does on the row count."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,11 +28,24 @@ LOG2E = 1.4426950408889634   # softmax in base 2: exp2 is one instruction, exp i
 class BlockSizes:
     # defaults from the sweep on an H200 (docs/benchmarks.md): qwen3-8b heads at batch x context
     # 1 x 32K, 8 x 32K, 32 x 8K, 64 x 4K; the configuration whose worst slowdown against each
-    # shape's best was smallest. The split size is fixed, whatever the batch.
+    # shape's best was smallest.
     pages_per_compute_block: int = 16    # KV blocks loaded per inner iteration (capped by fit_pages)
-    pages_per_split: int = 128           # KV blocks per program along the sequence
+    pages_per_split: int = 128           # most KV blocks per program along the sequence
     num_warps: int = 4
     num_stages: int = 3
+    # smaller splits while batch x KV heads x splits is below this (0: never): ~2 programs per SM
+    min_programs: int = 264
+    min_pages_per_split: int = 4         # ... but not below this many blocks per split
+
+
+def split_pages(B: int, nKV: int, M: int, bs: BlockSizes) -> int:
+    """KV blocks per split (a power of two) for a batch of B sequences whose block tables are M wide:
+    `pages_per_split`, or fewer when that leaves under `min_programs` programs to fill the GPU."""
+    pps = min(bs.pages_per_split, 1 << (M - 1).bit_length())
+    if bs.min_programs and B * nKV * pl.cdiv(M, pps) < bs.min_programs:
+        want = pl.cdiv(bs.min_programs, B * nKV)                              # splits per sequence
+        pps = min(pps, max(bs.min_pages_per_split, 1 << (pl.cdiv(M, want) - 1).bit_length()))
+    return pps
 
 
 def fit_pages(bs: int, hd: int, dtype, stages: int, smem_budget: int = 160 * 1024) -> int:
@@ -245,7 +260,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
     G = nH // nKV
     gp = max(16, 1 << (G - 1).bit_length())                                   # tensor-core rows
     M = block_tables.shape[1]
-    pps = min(block_sizes.pages_per_split, 1 << (M - 1).bit_length())
+    pps = split_pages(B, nKV, M, block_sizes)
     ppb = min(block_sizes.pages_per_compute_block, pps,
               fit_pages(bs, hd, tile_dtype(fmts, k_pool.dtype, q.dtype), block_sizes.num_stages))
     splits = pl.cdiv(M, pps)
@@ -285,4 +300,4 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, kv_lens, scale: floa
     return out[:, :, :G].reshape(B, nH, hd).astype(q.dtype)
 
 
-__all__ = ["BlockSizes", "paged_decode_attention", "paged_decode_attention_reference"]
+__all__ = ["BlockSizes", "paged_decode_attention", "split_pages", "paged_decode_attention_reference"]

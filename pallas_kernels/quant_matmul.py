@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from . import ggml_blocks
 from .ggml_blocks import spread, unpack_bits
@@ -39,7 +40,7 @@ PACKED = ("int4", "nvfp4")        # two weights per byte
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    bm: int = 16          # rows of x per program (decode pads its batch up to this)
+    bm: int = 16          # rows of x per program (a smaller batch is masked to its rows)
     bn: int = 64          # output columns per program
     bk: int = 256         # weights along K per inner step
     split: int = 0        # programs along K; 0: enough to give ~2 programs per SM
@@ -52,9 +53,11 @@ def for_rows(m: int) -> BlockSizes:
     tile and a K split keep every SM loading) or a small batch; many rows (compute bound: large
     tiles; infernix_jax's linear hands those to XLA instead). From the H200 sweep of
     `infernix-bench qmatmul --tune` (docs/benchmarks.md): the tiles with the least total time over
-    int8, mxfp8, int4 and nvfp4 on qwen3-8b's up projection."""
+    int8, mxfp8, int4 and nvfp4 on qwen3-8b's up projection; decode's split from the in-step sweep
+    of scripts/experiments/tune_decode_qmm.py (fp8 and int8 kernel time inside a qwen3-8b decode
+    step: split 4 the least, 6% under split 2; no tile shape did better)."""
     if m <= 16:
-        return BlockSizes(bm=16, bn=32, bk=256, split=2)
+        return BlockSizes(bm=16, bn=32, bk=256, split=4)
     if m <= 128:
         return BlockSizes(bm=64, bn=64, bk=128)
     return BlockSizes(bm=256, bn=128, bk=64, split=1, num_warps=8)
@@ -115,18 +118,22 @@ def _pow2(u):
     return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 23, jnp.float32)
 
 
-def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision):
+def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision, rows: int):
     x_ref, d_ref, s_ref, *rest, o_ref = refs
     # x_ref [bm, K]; d_ref [bn, K or K/2] this program's weight rows; s_ref: see the module doc
-    # (rows of this tile, or the row-block's for fp8b); o_ref [bm, bn]
+    # (rows of this tile, or the row-block's for fp8b); o_ref [bm, bn]. The last row block may
+    # overhang x's `rows` rows (decode's few): its loads and stores are masked to the real ones.
     split = pl.program_id(2)
+    bm = x_ref.shape[0]
+    ragged = rows % bm != 0
+    live = (pl.program_id(0) * bm + jnp.arange(bm) < rows)[:, None]          # [bm, 1]
     g = GROUP.get(fmt, 0)
     per = bk // 2 if fmt in PACKED else bk                   # stored elements per step along K
     G = max(1, bk // g) if g else 1                          # scale columns per step
 
     def tile(i):
         k = (split * steps + i) * bk                         # first weight of this step
-        x = x_ref[:, pl.ds(k, bk)]
+        x = plt.load(x_ref.at[:, pl.ds(k, bk)], mask=live, other=0) if ragged else x_ref[:, pl.ds(k, bk)]
         if fmt in ggml_blocks.LAYOUT:                        # each array's columns for this step
             tiles = [r[:, pl.ds(k // w, max(1, bk // w))]
                      for r, w in zip((d_ref, s_ref, *rest), ggml_blocks.LAYOUT[fmt])]
@@ -155,7 +162,10 @@ def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision):
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     if fmt in ("int8", "fp8"):
         acc = acc * s_ref[...].reshape(1, bn)
-    o_ref[...] = acc.astype(o_ref.dtype)
+    if ragged:
+        plt.store(o_ref, acc.astype(o_ref.dtype), mask=live)
+    else:
+        o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def kernel_args(q) -> tuple:
@@ -186,9 +196,8 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
     bn = _pow2_divisor(N, min(bs.bn, 128) if fmt == "fp8b" else bs.bn)
     bk = _pow2_divisor(K, max(bs.bk, 32))                    # >= 16 bytes of packed weights per step
     bm = max(16, min(bs.bm, 1 << max(0, (M - 1).bit_length())))
-    Mp = pl.cdiv(M, bm) * bm
-    xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
-    tiles = (Mp // bm) * (N // bn)
+    row_blocks = pl.cdiv(M, bm)                                # the last may overhang M (masked)
+    tiles = row_blocks * (N // bn)
     k_steps = K // bk
     split = bs.split or max(1, min(k_steps, 264 // max(tiles, 1)))
     while k_steps % split:
@@ -212,19 +221,18 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
         in_specs.append(pl.BlockSpec((1,), lambda m, n, k: (0,)))
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     out_dtype = x.dtype if split == 1 else jnp.float32
-    kernel = functools.partial(_kernel, fmt=fmt, bk=bk, bn=bn, steps=steps, precision=precision)
+    kernel = functools.partial(_kernel, fmt=fmt, bk=bk, bn=bn, steps=steps, precision=precision, rows=M)
     out = pl.pallas_call(
         kernel,
-        grid=(Mp // bm, N // bn, split),
+        grid=(row_blocks, N // bn, split),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bm, bn), lambda m, n, k: (k, m, n)),
-        out_shape=jax.ShapeDtypeStruct((split, Mp, N), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((split, M, N), out_dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(bs),
         name=f"quant_matmul_{fmt}",
-    )(xp, d, s, *rest)
-    out = out[0] if split == 1 else out.sum(axis=0).astype(x.dtype)
-    return out[:M]
+    )(x, d, s, *rest)
+    return out[0] if split == 1 else out.sum(axis=0).astype(x.dtype)
 
 
 __all__ = ["BlockSizes", "GROUP", "for_rows", "kernel_args", "quant_matmul", "unsupported"]

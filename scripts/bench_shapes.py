@@ -200,7 +200,11 @@ class Bench:
                               "of_matmul_peak": round(prefill_flops(self.cfg, n) / sec / self.flops, 3)})
 
     def attention(self) -> None:
-        from pallas_kernels.paged_decode_attention import paged_decode_attention
+        from jax.experimental import pallas as pl
+
+        from pallas_kernels.paged_decode_attention import BlockSizes as DecodeBlockSizes
+        from pallas_kernels.paged_decode_attention import (paged_decode_attention, paged_decode_attention_reference,
+                                                           split_pages)
         from pallas_kernels.ragged_paged_attention import BlockSizes as RaggedBlockSizes
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         cfg, bs = self.cfg, self.bs
@@ -225,7 +229,7 @@ class Bench:
                                         "ours_ms": round(t_ours * 1e3, 3), "cudnn_ms": round(t_cudnn * 1e3, 3),
                                         "vs_cudnn": round(t_cudnn / t_ours, 3),
                                         "ours_TFLOPs": round(flops / t_ours / 1e12, 1)})
-        for B, C in ((1, 32768), (8, 32768), (64, 4096)):
+        for B, C in ((1, 1024), (1, 8192), (1, 32768), (4, 1024), (4, 8192), (8, 32768), (64, 4096)):
             M = C // bs
             kp = jax.random.normal(rng, (nKV, B * M, bs, hd), self.dtype)
             vp = jax.random.normal(rng, (nKV, B * M, bs, hd), self.dtype)
@@ -233,6 +237,12 @@ class Bench:
             bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
             lens = jnp.full((B,), C, jnp.int32)
             t_ours = timed(lambda: paged_decode_attention(q, kp, vp, bt, lens).block_until_ready(), 10)
+            # the same kernel with its splits never shrunk to fill the GPU, and XLA's gather + einsum
+            whole = DecodeBlockSizes(min_programs=0)
+            t_whole = timed(lambda: paged_decode_attention(q, kp, vp, bt, lens, block_sizes=whole)
+                            .block_until_ready(), 10)
+            xla = jax.jit(paged_decode_attention_reference)
+            t_xla = timed(lambda: xla(q, kp, vp, bt, lens).block_until_ready(), 10)
             kd = kp.reshape(nKV, B, C, hd).transpose(1, 2, 0, 3)
             vd = vp.reshape(nKV, B, C, hd).transpose(1, 2, 0, 3)
             cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn"))
@@ -243,6 +253,9 @@ class Bench:
                 print(json.dumps({"cudnn_decode_error": str(e)[:200]}))
             kv_bytes = 2 * B * C * nKV * hd * 2
             self.emit("attention", {"kind": "decode", "batch": B, "context": C, "ours_ms": round(t_ours * 1e3, 3),
+                                    "splits": pl.cdiv(M, split_pages(B, nKV, M, DecodeBlockSizes())),
+                                    "unsplit_ms": round(t_whole * 1e3, 3), "vs_unsplit": round(t_whole / t_ours, 3),
+                                    "xla_ms": round(t_xla * 1e3, 3), "vs_xla": round(t_xla / t_ours, 3),
                                     "cudnn_ms": t_cudnn and round(t_cudnn * 1e3, 3),
                                     "vs_cudnn": t_cudnn and round(t_cudnn / t_ours, 3),
                                     "of_copy_bw": round(kv_bytes / t_ours / self.bw, 3)})

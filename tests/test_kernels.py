@@ -65,6 +65,31 @@ def test_paged_decode_attention(case, dtype, interpret):
     check(out, pda.paged_decode_attention_reference(q, k, v, bt, lens), dtype)
 
 
+def test_split_pages_fills_the_gpu_at_small_batches():
+    bs = pda.BlockSizes()                                     # 128 blocks a split, >= 264 programs
+    assert pda.split_pages(64, 8, 256, bs) == 128             # a big batch: the fixed split
+    assert pda.split_pages(1, 8, 64, bs) == 4                 # batch 1, 1K context: 16 splits of 4 blocks
+    assert pda.split_pages(1, 8, 2048, bs) == 64              # batch 1, 32K: 32 splits
+    assert pda.split_pages(4, 8, 256, bs) == 32               # 4 x 8 x 8 splits = 256 programs
+    assert pda.split_pages(1, 8, 64, pda.BlockSizes(min_programs=0)) == 64
+    assert pda.split_pages(1, 8, 1, bs) == 1
+
+
+def test_small_splits_match_the_reference():
+    """Splits shrunk to fill the GPU (min_programs) give the reference's result (interpret mode)."""
+    nH, nKV, hd, bs, lengths, M = DECODE_CASES[0]
+    rng = np.random.default_rng(7)
+    P = len(lengths) * M + 3
+    k, v = pool(rng, nKV, P, bs, hd, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((len(lengths), nH, hd)), jnp.float32)
+    bt = jnp.asarray(rng.permutation(P)[:len(lengths) * M].reshape(len(lengths), M), jnp.int32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    bsz = pda.BlockSizes(pages_per_compute_block=2, pages_per_split=64, min_programs=64, min_pages_per_split=2)
+    assert pda.split_pages(len(lengths), nKV, M, bsz) == 2    # 4 splits of 2 blocks
+    out = pda.paged_decode_attention(q, k, v, bt, lens, block_sizes=bsz, interpret=True)
+    check(out, pda.paged_decode_attention_reference(q, k, v, bt, lens), jnp.float32)
+
+
 RAGGED_CASES = [  # (nH, nKV, hd, bs, q_lens, ctx_before, M, N)
     (6, 2, 32, 16, [5, 1, 37, 1], [0, 20, 11, 60], 8, 64),
     (8, 8, 64, 16, [16, 17], [0, 100], 16, 48),
