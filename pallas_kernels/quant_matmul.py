@@ -118,52 +118,59 @@ def _pow2(u):
     return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 23, jnp.float32)
 
 
+def weight_tile(fmt: str, load, k: int, bk: int, bn: int, dtype, tensor_scale=None):
+    """The weight tile [bn, bk] whose first weight along K is k, in dtype (int8 / fp8: the codes;
+    their per-channel scale multiplies the accumulator instead). load(j, c0, width) -> the tile's
+    rows of array j (kernel_args' order: data, scale, more) at columns [c0, c0 + width); fp8b's
+    scale: its one row. nvfp4's tensor scale comes as a value. Shared by quant_matmul and the
+    grouped expert kernel (grouped_matmul.py), which differ only in where the rows are."""
+    if not fmt:                                              # a plain matrix
+        return load(0, k, bk).astype(dtype)
+    if fmt in ggml_blocks.LAYOUT:                            # each array's columns for this step
+        tiles = [load(j, k // w, max(1, bk // w)) for j, w in enumerate(ggml_blocks.LAYOUT[fmt])]
+        return ggml_blocks.decode(fmt, tiles, bk).astype(dtype)
+    g = GROUP[fmt]
+    per = bk // 2 if fmt in PACKED else bk                   # stored elements per step along K
+    d = load(0, k // bk * per, per)
+    if fmt == "int8":
+        return d.astype(dtype)
+    if fmt == "fp8":         # through f32: 13% less kernel time in a decode step than e4m3 -> bf16
+        return d.astype(jnp.float32).astype(dtype)           # (scripts/experiments/qmm_convert_variants.py)
+    G = max(1, bk // g)                                      # scale columns per step
+    s = load(1, k // g, G)                                   # [bn or 1, G]
+    if fmt == "fp8b":                                        # one row of scales for the whole tile
+        w = d.astype(jnp.float32) * spread(jnp.broadcast_to(s, (bn, G)), bk)
+    elif fmt == "mxfp8":
+        w = d.astype(jnp.float32) * spread(_pow2(s), bk)     # e8m0: the exponent byte
+    elif fmt == "int4":
+        z = load(2, k // g, G).astype(jnp.float32)
+        w = (unpack_bits(d, 4).astype(jnp.float32) - spread(z, bk)) * spread(s, bk)
+    else:                                                    # nvfp4
+        w = _e2m1(unpack_bits(d, 4)) * spread(s.astype(jnp.float32) * tensor_scale, bk)
+    return w.astype(dtype)
+
+
 def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision, rows: int):
-    x_ref, d_ref, s_ref, *rest, o_ref = refs
-    # x_ref [bm, K]; d_ref [bn, K or K/2] this program's weight rows; s_ref: see the module doc
-    # (rows of this tile, or the row-block's for fp8b); o_ref [bm, bn]. The last row block may
-    # overhang x's `rows` rows (decode's few): its loads and stores are masked to the real ones.
+    x_ref, *w_refs, o_ref = refs
+    # x_ref [bm, K]; w_refs[0] [bn, K or K/2] this program's weight rows, then the scales (see the
+    # module doc: rows of this tile, or the row-block's for fp8b); o_ref [bm, bn]. The last row
+    # block may overhang x's `rows` rows (decode's few): its loads and stores are masked to them.
     split = pl.program_id(2)
     bm = x_ref.shape[0]
     ragged = rows % bm != 0
     live = (pl.program_id(0) * bm + jnp.arange(bm) < rows)[:, None]          # [bm, 1]
-    g = GROUP.get(fmt, 0)
-    per = bk // 2 if fmt in PACKED else bk                   # stored elements per step along K
-    G = max(1, bk // g) if g else 1                          # scale columns per step
-
-    def tile(i):
-        k = (split * steps + i) * bk                         # first weight of this step
-        x = plt.load(x_ref.at[:, pl.ds(k, bk)], mask=live, other=0) if ragged else x_ref[:, pl.ds(k, bk)]
-        if fmt in ggml_blocks.LAYOUT:                        # each array's columns for this step
-            tiles = [r[:, pl.ds(k // w, max(1, bk // w))]
-                     for r, w in zip((d_ref, s_ref, *rest), ggml_blocks.LAYOUT[fmt])]
-            return x, ggml_blocks.decode(fmt, tiles, bk).astype(x.dtype)
-        d = d_ref[:, pl.ds((split * steps + i) * per, per)]
-        if fmt == "int8":
-            return x, d.astype(x.dtype)
-        if fmt == "fp8":     # through f32: 13% less kernel time in a decode step than e4m3 -> bf16
-            return x, d.astype(jnp.float32).astype(x.dtype)    # (scripts/experiments/qmm_convert_variants.py)
-        s = s_ref[:, pl.ds(k // g, G)]                       # [bn or 1, G]
-        if fmt == "fp8b":                                    # one row of scales for the whole tile
-            w = d.astype(jnp.float32) * spread(jnp.broadcast_to(s, (bn, G)), bk)
-        elif fmt == "mxfp8":
-            s = _pow2(s)                                     # e8m0: the exponent byte
-            w = d.astype(jnp.float32) * spread(s, bk)
-        elif fmt == "int4":
-            z = rest[0][:, pl.ds(k // g, G)].astype(jnp.float32)
-            w = (unpack_bits(d, 4).astype(jnp.float32) - spread(z, bk)) * spread(s, bk)
-        else:                                                # nvfp4
-            w = _e2m1(unpack_bits(d, 4)) * spread(s.astype(jnp.float32) * rest[0][0], bk)
-        return x, w.astype(x.dtype)
+    tscale = w_refs[2][0] if fmt == "nvfp4" else None
 
     def body(i, acc):
-        x, w = tile(i)
+        k = (split * steps + i) * bk                         # first weight of this step
+        x = plt.load(x_ref.at[:, pl.ds(k, bk)], mask=live, other=0) if ragged else x_ref[:, pl.ds(k, bk)]
+        w = weight_tile(fmt, lambda j, c0, n: w_refs[j][:, pl.ds(c0, n)], k, bk, bn, x.dtype, tscale)
         return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
                                          preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     if fmt in ("int8", "fp8"):
-        acc = acc * s_ref[...].reshape(1, bn)
+        acc = acc * w_refs[1][...].reshape(1, bn)
     if ragged:
         plt.store(o_ref, acc.astype(o_ref.dtype), mask=live)
     else:
@@ -237,4 +244,4 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
     return out[0] if split == 1 else out.sum(axis=0).astype(x.dtype)
 
 
-__all__ = ["BlockSizes", "GROUP", "for_rows", "kernel_args", "quant_matmul", "unsupported"]
+__all__ = ["BlockSizes", "GROUP", "for_rows", "kernel_args", "quant_matmul", "unsupported", "weight_tile"]

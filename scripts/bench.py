@@ -67,11 +67,13 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul"],
+    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul", "moe"],
                    help="decode: a real model on this machine vs transformers; shapes: random weights at "
                         "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
                         "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py; prefix: time to "
                         "first token of a resent conversation from each prefix-cache tier, see scripts/bench_prefix.py; "
+                        "moe: one MoE layer through the grouped expert kernel against the jnp paths (GPU), "
+                        "see scripts/bench_moe.py; "
                         "qmatmul: the fused dequantizing matmul at a shape's projections against bf16 (GPU), "
                         "see scripts/bench_quant.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
@@ -128,6 +130,14 @@ def main(argv=None) -> int:
                 raise ValueError(f"unknown --cases {', '.join(sorted(bad))}; known: {','.join(bench_prefix.PrefixBench.CASES)}")
             bench_prefix.run(shape, a.model, a.dtype, a.tokens, a.chunk,
                              None if a.out == p.get_default("out") else a.out, cases, a.kv_dtype or "")
+            return 0
+        if a.what == "moe":
+            from scripts import bench_moe
+            shape = "qwen3-30b-a3b" if a.shape == p.get_default("shape") else a.shape
+            if shape not in bench_moe.SHAPES:
+                raise ValueError(f"unknown moe shape {shape!r}; known: {', '.join(bench_moe.SHAPES)}")
+            batches = "1,8,64,512,4096" if a.batches == p.get_default("batches") else a.batches
+            bench_moe.run(shape, [int(x) for x in batches.split(",") if x], a.weights, a.out)
             return 0
         if a.what == "qmatmul":
             from scripts import bench_quant

@@ -181,6 +181,9 @@ def test_quantized_experts_compute_as_their_dequantized_weights(fmt):
     for gather in (True, False):
         got, want = moe_mlp(x, q, k, True, "silu", gather=gather), moe_mlp(x, deq, k, True, "silu", gather=gather)
         assert rel_err(got, np.asarray(want)) < 1e-5, gather
+    # the grouped expert kernel dequantizes the same codes inside the kernel (interpret mode)
+    got = moe_mlp(x, q, k, True, "silu", impl="pallas_interpret")
+    assert rel_err(got, np.asarray(moe_mlp(x, deq, k, True, "silu", gather=False))) < 1e-5
     abstract = {"layers": [jax.eval_shape(lambda: p)]}
     assert planned_bytes(abstract, 4, fmt) < 0.3 * planned_bytes(abstract, 4)        # the experts shrink
 
@@ -196,6 +199,32 @@ def test_moe_gather_path_equals_dense(norm):
     dense = moe_mlp(x, p, k, norm, "silu", gather=False)
     gathered = moe_mlp(x, p, k, norm, "silu", gather=True)
     assert rel_err(gathered, np.asarray(dense)) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [5, 150], ids=["small", "prefill"])
+def test_moe_grouped_kernel_equals_dense(tokens, monkeypatch):
+    """impl="pallas_interpret" routes the pairs through the grouped expert kernel (few tokens: tiles
+    of 16 rows, prefill: 64): the same output as every expert on every token, weighted."""
+    from infernix_jax.models import moe
+    from pallas_kernels import grouped_matmul as gm
+    tiles = []
+    real = gm.grouped_matmul
+    monkeypatch.setattr(gm, "grouped_matmul", lambda *a, **kw: tiles.append(a[6]) or real(*a, **kw))
+    rng = np.random.default_rng(9)
+    H, k = 64, 2
+    p = moe_params(rng, 8, H, 32)
+    x = jnp.asarray(rng.standard_normal((1, tokens, H)), jnp.float32)
+    assert moe.grouped_route_ok(p, x.dtype)
+    dense = moe.moe_mlp(x, p, k, True, "silu", gather=False)
+    grouped = moe.moe_mlp(x, p, k, True, "silu", impl="pallas_interpret")
+    assert rel_err(grouped, np.asarray(dense)) < 1e-5
+    assert tiles == [16 if tokens < 100 else 64] * 3                     # gate, up, down went through it
+    odd = {**p, "e_gate": p["e_gate"][:, :24], "e_up": p["e_up"][:, :24], "e_down": p["e_down"][:, :, :24]}
+    assert not moe.grouped_route_ok(odd, x.dtype)          # I = 24: the jnp paths take it
+    tiles.clear()
+    assert rel_err(moe.moe_mlp(x, odd, k, True, "silu", impl="pallas_interpret"),
+                   np.asarray(moe.moe_mlp(x, odd, k, True, "silu", gather=False))) < 1e-5
+    assert not tiles
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])

@@ -149,10 +149,10 @@ def _gated_deltanet(cfg: ModelConfig, p, x, conv_state, ssm_state):
     return gdn_output(cfg, p, o, z, x.dtype), conv_state, ssm_state
 
 
-def hybrid_mlp(cfg: ModelConfig, p, i: int, y):
+def hybrid_mlp(cfg: ModelConfig, p, i: int, y, impl: str = "reference"):
     if not cfg.is_moe_layer(i):
         return gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"], cfg.hidden_act)
-    out = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
+    out = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, impl=impl)
     if "s_gate" in p:
         shared = gated_mlp(y, p["s_gate"], p["s_up"], p["s_down"], cfg.hidden_act)
         out = out + jax.nn.sigmoid(linear(y, p["s_router"])) * shared

@@ -98,7 +98,7 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
                 h = gated_attention(cfg, p, h, positions[None], lambda q, k, v, j=ia: attend(j, q, k, v))
                 ia += 1
             x = x + h
-            x = x + hybrid_mlp(cfg, p, i, rms_norm_1p(x, p["mlp_norm"], eps))
+            x = x + hybrid_mlp(cfg, p, i, rms_norm_1p(x, p["mlp_norm"], eps), attn_impl)
     x = rms_norm_1p(x, params["final_norm"], eps)
     return x[0], kv.replace(**pools(), conv=tuple(conv), ssm=tuple(ssm))
 

@@ -50,9 +50,10 @@ def _attn_block(cfg: ModelConfig, p, x, cos, sin, attend):
     return linear(o.reshape(B, T, -1), p["wo"], p.get("bo"))
 
 
-def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer):
+def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer, impl: str = "reference"):
     """The decoder stack, generic over where K/V live. tokens, positions [B, T] int32;
-    attend_layer(i, q, k, v) stores layer i's new k/v and returns attention output.
+    attend_layer(i, q, k, v) stores layer i's new k/v and returns attention output; impl: the
+    kernels' route for MoE experts ("pallas": the grouped expert kernel, see moe.py).
     Returns the final hidden states [B, T, H] (after the final norm)."""
     x = params["embed"][tokens]                                       # [B, T, H]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
@@ -62,7 +63,7 @@ def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer):
                                 lambda q, k, v, i=i: attend_layer(i, q, k, v))
             y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             if cfg.is_moe_layer(i):
-                y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
+                y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, impl=impl)
             else:
                 y = gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"], cfg.hidden_act)
             x = x + y

@@ -1,10 +1,14 @@
 """Mixture-of-experts MLP (Qwen3-MoE): softmax router, top-k, optional renormalisation.
 
-Two plain-jnp paths with the same result: when the step has few tokens (decode: N * k <= E), the
-chosen experts' weights are gathered per token, so a step reads only k experts per token instead of
-all E; otherwise every expert runs on every token and the results are weighted (each expert's
-weights read once, E/k times the FLOPs of a routed kernel). A grouped expert kernel replaces the
-second on the GPU later."""
+With the Pallas route (impl "pallas", the GPU's default, or "pallas_interpret"), the (token,
+expert) pairs are sorted by expert and multiplied by the grouped expert kernel
+(pallas_kernels/grouped_matmul.py): only the chosen pairs are computed, each chosen expert's
+weights (plain or quantized, dequantized in the kernel) read once per tile of its tokens.
+
+Otherwise, two plain-jnp paths with the same result: when the step has few tokens (decode:
+N * k <= E), the chosen experts' weights are gathered per token, so a step reads only k experts per
+token instead of all E; else every expert runs on every token and the results are weighted (each
+expert's weights read once, E/k times the FLOPs of the routed kernel)."""
 from __future__ import annotations
 
 import jax
@@ -33,8 +37,8 @@ def route(x, router_w, top_k: int, norm_topk_prob: bool):
 def experts(w, idx=None, dtype=None):
     """Stacked expert weights [E, O, I] (or those of idx [...]: [..., O, I]) as an array in dtype.
     Quantized experts (--weights FMT: a QTensor whose arrays keep the expert axis first) are
-    dequantized by XLA after the gather, so decode reads only the chosen experts' codes (there is
-    no grouped quantized expert kernel yet)."""
+    dequantized by XLA after the gather, so decode reads only the chosen experts' codes (the jnp
+    paths; the grouped expert kernel dequantizes inside instead)."""
     from ..quant.formats import QTensor, dequantize
     if not isinstance(w, QTensor):
         return w if idx is None else w[idx]
@@ -45,13 +49,62 @@ def experts(w, idx=None, dtype=None):
     return dequantize(w, dtype or jnp.float32)
 
 
-def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str, gather: bool | None = None):
+def _kernel_operands(w):
+    """Stacked experts (array [E, O, I] or QTensor) -> (arrays, format, shape) for grouped_matmul."""
+    from pallas_kernels.quant_matmul import kernel_args
+    from ..quant.formats import QTensor
+    return (kernel_args(w), w.fmt, tuple(w.shape)) if isinstance(w, QTensor) else ((w,), "", tuple(w.shape))
+
+
+def _quantized(p) -> bool:
+    from ..quant.formats import QTensor
+    return isinstance(p["e_up"], QTensor)
+
+
+def grouped_route_ok(p, dtype) -> bool:
+    """Whether the grouped expert kernel takes this layer's experts (else the jnp paths run)."""
+    from pallas_kernels.grouped_matmul import unsupported
+    return all(unsupported(*_kernel_operands(p[n])[1:], dtype) is None for n in ("e_gate", "e_up", "e_down"))
+
+
+def _grouped_moe(xf, p, top_k: int, norm_topk_prob: bool, act: str, interpret: bool):
+    """xf [N, H] -> [N, H] through the grouped expert kernel: gate/up on each pair's token row,
+    down on the pairs' hidden rows, then each token's k outputs weighted by its router weights."""
+    from pallas_kernels import grouped_matmul as gm
+    N = xf.shape[0]
+    E = p["router"].shape[0]
+    P = N * top_k
+    w, idx = _top_k(xf, p["router"], top_k, norm_topk_prob)                     # [N, k]
+    bm = 16 if P < 32 * E else 64                    # decode: a pair or a few per expert; prefill: tiles
+    order, te, where = gm.align(idx.reshape(-1), E, bm)                          # [R], [R / bm], [P]
+    R = order.shape[0]
+    real = order < P
+
+    def mm(x, rows, name):
+        args, fmt, shape = _kernel_operands(p[name])
+        return gm.grouped_matmul(x, rows, te, args, fmt, shape, bm, interpret=interpret)
+    tok = jnp.where(real, order // top_k, N)                                     # each row's token
+    h = activation(act)(mm(xf, tok, "e_gate")) * mm(xf, tok, "e_up")             # [R, I]
+    y = mm(h, jnp.where(real, jnp.arange(R), R), "e_down")                       # [R, H]
+    return jnp.einsum("nk,nkh->nh", w, y[where].reshape(N, top_k, -1))
+
+
+def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str, gather: bool | None = None,
+            impl: str = "reference"):
     """x [B, T, H]; p holds router [E, H], e_gate/e_up [E, I, H], e_down [E, H, I] (arrays or
-    quantized QTensors). gather: None picks by the (static) token count; True/False force a path (tests)."""
+    quantized QTensors). impl "pallas" / "pallas_interpret": the grouped expert kernel where it
+    takes the experts' shapes. gather: None picks by the (static) token count; True/False force a
+    jnp path (tests)."""
     B, T, H = x.shape
     E = p["router"].shape[0]
     xf = x.reshape(B * T, H)
     dt = x.dtype
+    if impl in ("pallas", "pallas_interpret") and gather is None and grouped_route_ok(p, dt) \
+            and (B * T * top_k > E or _quantized(p)):
+        # plain experts at decode sizes keep the gather path below: on the H200 the kernel was 1.65x
+        # faster than it at 8 tokens but slower at one (a single, possibly cold, measurement;
+        # docs/benchmarks.md "Grouped expert kernel")
+        return _grouped_moe(xf, p, top_k, norm_topk_prob, act, impl == "pallas_interpret").reshape(B, T, H)
     if gather if gather is not None else B * T * top_k <= E:
         w, idx = _top_k(xf, p["router"], top_k, norm_topk_prob)                # [N, k]
         g = activation(act)(jnp.einsum("nh,nkih->nki", xf, experts(p["e_gate"], idx, dt)))  # [N, k, I]

@@ -184,5 +184,5 @@ def forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedK
         return hybrid_forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q,
                                     attn_impl, rows)
     attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl)
-    h = decoder(params, cfg, tokens[None], positions[None], attend)
+    h = decoder(params, cfg, tokens[None], positions[None], attend, impl=attn_impl)
     return h[0], kv.replace(**pools())

@@ -1,7 +1,7 @@
 """Quantizing a loaded model's weights (`--weights FMT`): the projections every token multiplies by
 (attention, MLP, Gated DeltaNet, shared experts) become QTensors; so do the routed MoE experts
-([E, O, I] stacks, dequantized by XLA after the gather in models/moe.py: memory, not speed, until a
-grouped quantized expert kernel exists; bf16p leaves them as they are). Embeddings, the LM head,
+([E, O, I] stacks, multiplied by the grouped expert kernel on the Pallas route, else dequantized by
+XLA after the gather in models/moe.py; bf16p leaves them as they are). Embeddings, the LM head,
 norms, routers and the small per-head vectors stay as they are."""
 from __future__ import annotations
 
