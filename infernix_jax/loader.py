@@ -134,9 +134,10 @@ def load_config(spec: str) -> ModelConfig:
 
 
 def _projections(specs: dict) -> list:
-    """The specs of the matrices --weights quantizes (quant.apply.QUANTIZABLE), layer by layer."""
-    from .quant.apply import QUANTIZABLE
-    return [p[n] for p in specs["layers"] for n in sorted(QUANTIZABLE & p.keys())]
+    """The specs of the matrices --weights quantizes (quant.apply.QUANTIZABLE and the routed MoE
+    experts' stacks), layer by layer."""
+    from .quant.apply import EXPERTS, QUANTIZABLE
+    return [p[n] for p in specs["layers"] for n in sorted((QUANTIZABLE | EXPERTS) & p.keys())]
 
 
 def gguf_block_source(path: Path, with_tokenizer: bool = True):

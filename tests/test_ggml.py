@@ -174,3 +174,41 @@ def test_gguf_blocks_need_a_gguf_file(tmp_path, capsys):
 def test_the_iq4nl_quartic_gives_every_grid_value():
     from pallas_kernels.ggml_blocks import IQ4NL, iq4nl
     assert [int(v) for v in iq4nl(jnp.arange(16, dtype=jnp.uint8))] == list(IQ4NL)
+
+
+def test_moe_experts_stay_in_their_gguf_blocks(tmp_path):
+    """--weights gguf keeps the routed experts' stacks [E, O, I] in their blocks too; they compute
+    as gguf-py's dequantization of the same file, in the jnp paths and in the grouped expert
+    kernel (interpret mode), and a converted checkpoint keeps them bit for bit."""
+    from hf_reference import hf_logits, load_into, make_hf_model, write_gguf
+    from infernix_jax.models.moe import moe_mlp
+    from infernix_jax.quant.formats import QTensor, dequantize
+    from test_models import RTOL, ours_full, rel_err
+    hf = make_hf_model("qwen3_moe", seed=7, norm_topk_prob=True, hidden_size=64, moe_intermediate_size=32)
+
+    def qtype_for(name, arr):
+        return (Q.Q8_0 if "down" in name else Q.Q4_0) if "_exps" in name else None
+    stored = write_gguf(hf, tmp_path / "moe.gguf", "qwen3_moe", qtype_for)
+    load_into(hf, stored)
+    m = load_model(str(tmp_path / "moe.gguf"), with_tokenizer=False, weights="gguf")
+    layer = m.params["layers"][0]
+    assert {n: (type(layer[n]).__name__, getattr(layer[n], "fmt", "")) for n in ("e_up", "e_down")} == \
+        {"e_up": ("QTensor", "q4_0"), "e_down": ("QTensor", "q8_0")}
+    assert layer["e_up"].data.shape[0] == m.cfg.num_experts
+    tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (1, 9))
+    assert rel_err(ours_full(m, tokens), hf_logits(hf, tokens)) <= RTOL
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 9, m.cfg.hidden_size)), jnp.float32)
+    k = m.cfg.num_experts_per_tok
+    plain = {**layer, **{n: dequantize(layer[n]) for n in ("e_gate", "e_up", "e_down")}}
+    want = np.asarray(moe_mlp(x, plain, k, True, "silu", gather=False))
+    got = moe_mlp(x, with_impl(layer, "pallas_interpret"), k, True, "silu", impl="pallas_interpret")
+    assert isinstance(layer["e_gate"], QTensor) and rel_err(got, want) < 1e-5
+    from infernix_jax.engine.plan import params_bytes
+    from infernix_jax.loader import planned_gguf_bytes
+    assert planned_gguf_bytes(str(tmp_path / "moe.gguf"), jnp.float32) == params_bytes(m.params)
+    from scripts.convert import main as convert_main
+    assert convert_main([str(tmp_path / "moe.gguf"), str(tmp_path / "conv"), "--weights", "gguf",
+                         "--dtype", "float32"]) == 0
+    c = load_model(str(tmp_path / "conv"), with_tokenizer=False)
+    for a, b in zip(jax.tree.leaves(c.params), jax.tree.leaves(m.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

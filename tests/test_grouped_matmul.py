@@ -84,14 +84,20 @@ def test_grouped_matmul_quantized_experts(fmt, case, interpret):
     run_case(case, fmt, jnp.bfloat16, interpret)
 
 
-@pytest.mark.parametrize("fmt", ["", "int8", "fp8", "int4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["", "int8", "fp8", "int4", "nvfp4", "q8_0", "q4_k", "iq4_xs"])
 def test_grouped_matmul_lowers_to_triton_for_the_gpu(fmt):
     """Pallas's lowering to Triton runs on the CPU: decode and prefill tiles of a qwen3-30b-a3b
-    expert stack lower without error (the GPU compiles this IR; tests marked gpu run it)."""
+    expert stack lower without error (the GPU compiles this IR; tests marked gpu run it), GGUF
+    blocks (--weights gguf keeps MoE experts in them) included."""
     from jax import export
+    from infernix_jax.quant.ggml import from_blocks, random_blocks
     E, N, K = 128, 768, 2048
     w = jax.ShapeDtypeStruct((E, N, K), jnp.bfloat16)
-    args = jax.eval_shape(lambda w: kernel_args(quantize(w, fmt)) if fmt else (w,), w)
+    if fmt.startswith(("q", "iq")):              # the arrays' shapes, from one expert's random blocks
+        one = from_blocks(fmt, random_blocks(np.random.default_rng(0), fmt, N, K), (N, K))
+        args = tuple(jax.ShapeDtypeStruct((E, *a.shape), a.dtype) for a in kernel_args(one))
+    else:
+        args = jax.eval_shape(lambda w: kernel_args(quantize(w, fmt)) if fmt else (w,), w)
     for T, bm in ((1, 16), (512, 64)):
         P = T * 8
         tiles = -(-P // bm) + min(E, P)

@@ -85,14 +85,17 @@ def _arrays(fmt: str, b) -> tuple:
 
 
 def from_blocks(fmt: str, raw: np.ndarray, shape: tuple) -> QTensor:
-    """A GGUF tensor's raw bytes [O, bytes per row] (gguf's reader layout) of type fmt -> a QTensor of
-    the [O, I] matrix they hold, with numpy arrays (the caller moves them to the device)."""
-    O, I = shape
+    """A GGUF tensor's raw bytes [..., O, bytes per row] (gguf's reader layout) of type fmt -> a
+    QTensor of the [..., O, I] matrix (or stack of them: MoE experts) they hold, with numpy arrays
+    (the caller moves them to the device)."""
+    *lead, O, I = shape
     bs = block(fmt)
-    if I % bs or raw.shape != (O, I // bs * _BYTES[fmt]):
-        raise ValueError(f"{fmt} blocks of {tuple(raw.shape)} bytes do not hold a {O} x {I} matrix")
-    data, scale, *more = _arrays(fmt, raw.reshape(O, I // bs, _BYTES[fmt]))
-    return QTensor(data, scale, None, None, fmt, (O, I), more=tuple(more))
+    if I % bs or raw.shape != (*lead, O, I // bs * _BYTES[fmt]):
+        raise ValueError(f"{fmt} blocks of {tuple(raw.shape)} bytes do not hold a {' x '.join(map(str, shape))} matrix")
+    rows = int(np.prod(lead, dtype=np.int64)) * O
+    data, scale, *more = (a.reshape(*lead, O, a.shape[-1])
+                          for a in _arrays(fmt, raw.reshape(rows, I // bs, _BYTES[fmt])))
+    return QTensor(data, scale, None, None, fmt, tuple(shape), more=tuple(more))
 
 
 # the f16 scale fields of a block (byte offsets) and a scale that gives weights of about 0.05

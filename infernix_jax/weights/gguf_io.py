@@ -92,13 +92,15 @@ class GGUFSource:
 
     def block_format(self, spec: ParamSpec) -> str:
         """The GGUF type a tensor is kept on the device in under --weights gguf ("" where it is
-        dequantized at load: a type without a kernel, a matrix that is not 2-D, or one whose values
-        llama.cpp's conversion changed and loading must undo)."""
+        dequantized at load: a type without a kernel, a tensor that is neither a matrix nor a stack
+        of MoE expert matrices, or one whose values llama.cpp's conversion changed and loading must
+        undo)."""
         t = self.tensors.get(spec.gguf)
         fmt = t.tensor_type.name.lower() if t is not None else ""
-        if fmt not in GGML_FORMATS or spec.gguf_fix or len(spec.shape) != 2:
+        if fmt not in GGML_FORMATS or spec.gguf_fix or len(spec.shape) not in (2, 3):
             return ""
-        return fmt if tuple(np.asarray(t.data).shape[:1]) == spec.shape[:1] else ""
+        lead = len(spec.shape) - 1
+        return fmt if tuple(np.asarray(t.data).shape[:lead]) == spec.shape[:lead] else ""
 
     def blocks(self, spec: ParamSpec):
         """The tensor as a QTensor of its own GGUF blocks (quant/ggml.py), or None (see block_format).
