@@ -201,6 +201,24 @@ def test_pallas_kernels_in_the_engine_match_the_reference_path(tiny):
     assert outs["pallas_interpret"] == outs["reference"]
 
 
+def test_grouped_expert_kernel_in_the_engine_matches_the_reference_path(tiny):
+    """A tiny MoE model (8 experts, top-2, quantized experts too) in the engine: prefill chunks and
+    decode steps through the grouped expert kernel (interpret mode) give the jnp paths' tokens."""
+    import dataclasses
+
+    from infernix_jax.quant.apply import quantize_params
+    cfg = dataclasses.replace(tiny.cfg, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True, decoder_sparse_step=1)
+    moe = dataclasses.replace(tiny, cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(1), scale=0.5))
+    prompts = random_prompts(np.random.default_rng(6), 3, 5, 40)
+    for model in (moe, dataclasses.replace(moe, params=quantize_params(moe.params, "int8", progress=False))):
+        outs = {}
+        for impl in ("reference", "pallas_interpret"):
+            eng = Engine(model, max_num_seqs=3, max_num_batched_tokens=32, decode_steps=2, attn_impl=impl)
+            outs[impl] = [r.token_ids for r in eng.generate([Request(p, greedy(4, ignore_eos=True)) for p in prompts])]
+        assert outs["pallas_interpret"] == outs["reference"]
+
+
 def test_penalties_match_a_numpy_reference():
     from infernix_jax.engine.sampler import Penalties, apply_penalties
     rng = np.random.default_rng(6)
