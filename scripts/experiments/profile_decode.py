@@ -25,6 +25,33 @@ def kernel_times(trace_dir: str) -> dict:
     return {"processes": sorted(procs.values()), "kernels": dict(out)}
 
 
+def decode_traced(b, batch: int, context: int, reps: int = 3) -> dict:
+    """b.decode(batch, context) (a bench_shapes.Bench) timed as the bench times it, then one more
+    dispatch traced -> kernel_times of that dispatch."""
+    timed, box = bench_shapes.timed, {}
+
+    def traced(fn, reps, **kw):
+        s = timed(fn, reps, **kw)
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            fn()
+        box["trace"] = d
+        return s
+    bench_shapes.timed = traced
+    try:
+        b.decode(batch, context, reps=reps)
+    finally:
+        bench_shapes.timed = timed
+    return kernel_times(box["trace"])
+
+
+def emit(rows: list, row: dict, path: Path) -> None:
+    """Print one result row and rewrite the JSON of all so far (a killed run keeps what it had)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    path.write_text(json.dumps(rows, indent=1))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-8b")
@@ -34,23 +61,10 @@ def main():
     a = p.parse_args()
     out = Path(os.environ.get("OUT", tempfile.mkdtemp()))
     res = {}
-    timed = bench_shapes.timed
     for w in a.weights.split(","):
-        box = {}
-
-        def traced(fn, reps, **kw):       # the bench's timing, then one traced dispatch
-            s = timed(fn, reps, **kw)
-            d = tempfile.mkdtemp()
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                fn()
-            box["trace"] = d
-            return s
-        bench_shapes.timed = traced
         b = bench_shapes.Bench(a.shape, out, weights=None if w == "none" else w, impl=a.impl)
-        b.decode(a.batch, 1024, reps=3)
-        bench_shapes.timed = timed
         try:
-            k = kernel_times(box["trace"])
+            k = decode_traced(b, a.batch, 1024)
         except Exception as e:
             res[w] = {"error": repr(e)}
             print(w, repr(e), flush=True)

@@ -10,7 +10,7 @@ variant in interpret mode against the reference instead (CPU).
   bits      e4m3 bits placed in bf16 bits (sign, exponent and mantissa shifted; the 2^120 exponent
             bias difference folded into the channel scale): two integer ops, no conversion
   gemv      one row: multiply and sum along K on the CUDA cores in f32 (no tensor cores)"""
-import argparse, json, os, tempfile
+import argparse, os, tempfile
 from pathlib import Path
 
 import jax
@@ -96,9 +96,9 @@ def main():
     if a.check:
         return check()
     from scripts import bench_shapes
-    from scripts.experiments.profile_decode import kernel_times
+    from scripts.experiments.profile_decode import decode_traced, emit
     out = Path(os.environ.get("OUT", tempfile.mkdtemp()))
-    res, timed = [], bench_shapes.timed
+    res = []
     for w in a.weights.split(","):
         b = bench_shapes.Bench("qwen3-8b", out, weights=w)
         for how in VARIANTS:
@@ -106,28 +106,13 @@ def main():
                 continue
             qmm._kernel = variant_kernel(how)
             jax.clear_caches()
-            box = {}
-
-            def traced(fn, reps, **kw):
-                s = timed(fn, reps, **kw)
-                d = tempfile.mkdtemp()
-                with jax.profiler.trace(d, create_perfetto_trace=True):
-                    fn()
-                box["trace"] = d
-                return s
-            bench_shapes.timed = traced
             try:
-                b.decode(1, 1024, reps=3)
-                k = kernel_times(box["trace"])["kernels"]
+                k = decode_traced(b, 1, 1024)["kernels"]
                 qus = sum(v[0] for n, v in k.items() if n.startswith("quant_matmul")) / b.k
                 row = {"weights": w, "variant": how, **b.results["decode"][-1], "quant_matmul_us_per_step": round(qus, 1)}
             except Exception as e:
                 row = {"weights": w, "variant": how, "error": repr(e)[:300]}
-            finally:
-                bench_shapes.timed = timed
-            res.append(row)
-            print(json.dumps(row), flush=True)
-            (out / "qmm_convert_variants.json").write_text(json.dumps(res, indent=1))
+            emit(res, row, out / "qmm_convert_variants.json")
         del b
     qmm._kernel = SHIPPED
 

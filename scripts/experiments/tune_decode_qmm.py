@@ -4,14 +4,14 @@ The isolated-product bench (`infernix-bench qmatmul --tune`) lands every kernel 
 floor at one row, so its choice of tiles says little; here each candidate replaces
 quant_matmul.for_rows for decode's rows, the bench tool's qwen3-8b decode (context 1024) is rebuilt,
 timed, and one dispatch is traced: tok/s and the quantized kernels' device time per step."""
-import argparse, json, os, tempfile
+import argparse, os, tempfile
 from pathlib import Path
 
 import jax
 
 from pallas_kernels import quant_matmul as qmm
 from scripts import bench_shapes
-from scripts.experiments.profile_decode import kernel_times
+from scripts.experiments.profile_decode import decode_traced, emit
 
 CANDIDATES = [  # (bn, bk, split, warps, stages) at bm = 16; the first is the shipped one
     (32, 256, 2, 4, 3), (32, 256, 0, 4, 3), (32, 256, 1, 4, 3), (32, 256, 4, 4, 3),
@@ -29,37 +29,22 @@ def main():
     p.add_argument("--context", type=int, default=1024)
     a = p.parse_args()
     out = Path(os.environ.get("OUT", tempfile.mkdtemp()))
-    res, original, timed = [], qmm.for_rows, bench_shapes.timed
+    res, original = [], qmm.for_rows
     for w in a.weights.split(","):
         b = bench_shapes.Bench(a.shape, out, weights=w)
         for cand in CANDIDATES:
             tiles = qmm.BlockSizes(16, *cand)
             qmm.for_rows = lambda m, t=tiles: t if m <= 16 else original(m)
             jax.clear_caches()
-            box = {}
-
-            def traced(fn, reps, **kw):
-                s = timed(fn, reps, **kw)
-                d = tempfile.mkdtemp()
-                with jax.profiler.trace(d, create_perfetto_trace=True):
-                    fn()
-                box["trace"] = d
-                return s
-            bench_shapes.timed = traced
             try:
-                b.decode(a.batch, a.context, reps=3)
-                k = kernel_times(box["trace"])["kernels"]
+                k = decode_traced(b, a.batch, a.context)["kernels"]
                 qus = sum(v[0] for n, v in k.items() if n.startswith("quant_matmul")) / b.k
                 red = sum(v[0] for n, v in k.items() if "reduce" in n) / b.k
                 row = {"weights": w, "tiles": str(tiles), **b.results["decode"][-1],
                        "quant_matmul_us_per_step": round(qus, 1), "reduce_us_per_step": round(red, 1)}
             except Exception as e:  # a candidate that does not compile
                 row = {"weights": w, "tiles": str(tiles), "error": repr(e)[:200]}
-            finally:
-                bench_shapes.timed = timed
-            res.append(row)
-            print(json.dumps(row), flush=True)
-            (out / "tune_decode_qmm.json").write_text(json.dumps(res, indent=1))
+            emit(res, row, out / "tune_decode_qmm.json")
         del b
     qmm.for_rows = original
 
