@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 ESCAPES = 8
-FAR = 14
-MAX_BLOCK_VALUES = 1 << 16     # an escape's position in its block has 16 bits: block_size x head_dim below this          # the largest distance below the base a nibble holds; 15: exponent field 0 / escape
+FAR = 14                       # the largest distance below the base a nibble holds; 15: exponent field 0 / escape
+MAX_BLOCK_VALUES = 1 << 16     # an escape's position in its block has 16 bits: block_size x head_dim below this
 
 
 def check_block(block_size: int, hd: int) -> None:

@@ -219,6 +219,21 @@ def test_grouped_expert_kernel_in_the_engine_matches_the_reference_path(tiny):
         assert outs["pallas_interpret"] == outs["reference"]
 
 
+def test_no_kv_is_written_past_a_stop_token(tiny):
+    """A multi-step decode dispatch goes on past a row's stop token; the row's later steps write no
+    K/V (junk the host drops: with --kv-dtype bf16p it could overflow a block's escapes and fail a
+    finished request). Fresh pools are zeros: only the prompt and the first output token's rows
+    may hold K/V afterwards."""
+    prompt = random_prompts(np.random.default_rng(8), 1, 20, 21)[0]
+    free = Engine(tiny, max_num_seqs=1, decode_steps=4).generate([Request(prompt, greedy(6, ignore_eos=True))])[0]
+    assert free.token_ids[1] != free.token_ids[0]
+    eng = Engine(tiny, max_num_seqs=1, decode_steps=4)
+    res = eng.generate([Request(prompt, greedy(6, stop_token_ids=(free.token_ids[1],)))])[0]
+    assert res.token_ids == free.token_ids[:2] and res.finish_reason == "stop"
+    written = sum(np.asarray(k).any(axis=(0, 3)) for k in eng.runner.kv.k)          # [P, bs] per layer
+    assert int((written > 0).sum()) == len(prompt) + 1
+
+
 def test_penalties_match_a_numpy_reference():
     from infernix_jax.engine.sampler import Penalties, apply_penalties
     rng = np.random.default_rng(6)

@@ -206,10 +206,9 @@ class Runner:
         return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
 
     def _ends(self, seqs: list[Sequence], B: int) -> dict:
-        """Hybrids: where each row's output ends on the device (decode_steps freezes its state there):
-        its stop token ids and the tokens it may still emit (max_tokens, the context)."""
-        if not self.hybrid:
-            return {}
+        """Where each row's output ends on the device (decode_steps writes no K/V past it and freezes
+        a hybrid's state there): its stop token ids and the tokens it may still emit (max_tokens,
+        the context). Stop strings are found on the host: their rows run to the dispatch's end."""
         stop_ids, remaining = np.full((B, STOP_WIDTH), -1, np.int32), np.zeros((B,), np.int32)
         for i, s in enumerate(seqs):
             ids = sorted(s.stop_ids)[:STOP_WIDTH]     # (more: the engine treats its state as dirty)

@@ -46,20 +46,23 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
     position), steps [B]; valid [B] bool marks real rows; rows: hybrids' StateRows (row i's token is
     flat index i at every step). Returns per-step outputs stacked [num_steps, B].
 
-    Hybrids: stop_ids [B, W] (padded with -1) and remaining [B] (tokens the row may still emit) end a
-    row's state updates on the step that draws a stop token or its last allowed token, so the state
-    it leaves is exactly that of its output, which the prefix cache can snapshot when it finishes
-    inside the dispatch (the tokens drawn after it are dropped by the host anyway)."""
+    stop_ids [B, W] (padded with -1) and remaining [B] (tokens the row may still emit) end a row on
+    the step that draws a stop token or its last allowed token: its later steps write no K/V (the
+    tokens drawn after its end are dropped by the host anyway; with --kv-dtype bf16p such a junk
+    write could otherwise overflow a block's escapes and fail a finished request), and a hybrid's
+    state stops there, so the state it leaves is exactly that of its output, which the prefix
+    cache can snapshot when it finishes inside the dispatch."""
     bs = kv.block_size
     dropped = kv.num_blocks * bs
     B = tokens.shape[0]
     dense = None if penalties is None else penalties.dense(B, params["embed"].shape[0])
-    freeze = rows is not None and stop_ids is not None
+    ends = stop_ids is not None
+    freeze = rows is not None and ends
 
     def one(carry, j):
         kv, tok, pos, st, dense, guard, alive = carry
         blk = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
-        slots = jnp.where(valid, blk * bs + pos % bs, dropped)
+        slots = jnp.where(alive if ends else valid, blk * bs + pos % bs, dropped)
         kv_lens = jnp.where(valid, pos + 1, 1)
         r = rows
         if freeze:                     # an ended row's state slot is out of range: its writes are dropped
@@ -73,7 +76,7 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
             counts, seen = dense
             ids = jnp.arange(B)
             dense = (counts.at[ids, out[0]].add(1), seen.at[ids, out[0]].set(True))
-        if freeze:
+        if ends:
             alive = alive & ~((out[0][:, None] == stop_ids).any(-1) | (j + 1 >= remaining))
         return (kv, out[0], pos + 1, st + 1, dense, guard, alive), out
 
