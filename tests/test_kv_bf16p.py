@@ -255,3 +255,24 @@ def test_the_plan_counts_the_bf16_rebuild_of_a_mixed_step(tiny_bf16):
     plain, packed = make_plan(tiny_bf16.cfg, jnp.bfloat16, **kw), make_plan(tiny_bf16.cfg, jnp.bfloat16, kv_dtype="bf16p", **kw)
     # 4 rows (3 bucketed) x 64 blocks (1016 tokens / 16, bucketed) x 16 tokens x 2 heads x 16 dims x 2 bytes, K and V
     assert packed.workspace_bytes - plain.workspace_bytes == 2 * 4 * 64 * 16 * 2 * 16 * 2
+
+
+def test_a_hybrid_on_bf16p_kv_is_bit_identical_to_bf16(smollm):
+    """A Qwen3.5 hybrid (Gated DeltaNet layers beside one attention layer) on bf16p K/V: the same
+    tokens and log-probs as on BF16 K/V, the second request reusing the first's prefix."""
+    import jax
+    from infernix_jax.loader import LoadedModel
+    from infernix_jax.models import init_params
+    from test_engine_hybrid import tiny_hybrid
+    base = tiny_hybrid("qwen3_5", smollm.tokenizer, smollm.cfg.vocab_size)
+    model = LoadedModel(name="hybrid-bf16", path="", cfg=base.cfg, tokenizer=base.tokenizer, dtype=jnp.bfloat16,
+                        params=init_params(base.cfg, jax.random.PRNGKey(1), jnp.bfloat16, scale=0.5))
+    rng = np.random.default_rng(9)
+    shared = list(map(int, rng.integers(10, 40000, 70)))
+    prompts = [shared + list(map(int, rng.integers(10, 40000, n))) for n in (5, 30)]
+    _, want = _run(model, prompts)
+    eng, got = _run(model, prompts, kv_dtype="bf16p")
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert any(r.cached_tokens for r in got)
+    assert any(np.asarray(e).any() for e in eng.runner.kv.k_esc + eng.runner.kv.v_esc)
