@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .paged_decode_attention import _compiler_params
-from .quant_matmul import BlockSizes, _pow2_divisor, weight_tile
+from .quant_matmul import BlockSizes, matrix_unsupported, sum_splits, tiling, weight_tile
 from .quant_matmul import unsupported as qmm_unsupported
 
 
@@ -109,13 +109,7 @@ def unsupported(fmt: str, shape: tuple, x_dtype) -> str | None:
     """Why the kernel cannot take experts of this format and shape (E, N, K) (None if it can)."""
     if len(shape) != 3:
         return f"expert stack of rank {len(shape)}"
-    if fmt:
-        return qmm_unsupported(fmt, shape[1:], x_dtype)
-    if not _pow2_divisor(shape[1], 16) or not _pow2_divisor(shape[2], 32):
-        return f"shape {shape}: N must be a multiple of 16 and K of 32"
-    if jnp.dtype(x_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        return f"activations in {jnp.dtype(x_dtype)}"
-    return None
+    return qmm_unsupported(fmt, shape[1:], x_dtype) if fmt else matrix_unsupported("", shape[1:], x_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "shape", "bm", "block_sizes", "interpret"))
@@ -132,14 +126,8 @@ def grouped_matmul(x, rows, tile_expert, args: tuple, fmt: str, shape: tuple, bm
     if why:
         raise ValueError(f"grouped_matmul cannot take these experts: {why}")
     bs = block_sizes or for_rows(bm)
-    bn = _pow2_divisor(N, min(bs.bn, 128) if fmt == "fp8b" else bs.bn)
-    bk = _pow2_divisor(K, max(bs.bk, 32))
     tiles = tile_expert.shape[0]
-    k_steps = K // bk
-    split = bs.split or max(1, min(k_steps, 264 // max(tiles * (N // bn), 1)))
-    while k_steps % split:
-        split -= 1
-    steps = k_steps // split
+    bn, bk, split, steps = tiling(fmt, N, K, bs, tiles)
     whole = [pl.BlockSpec(a.shape, lambda t, n, k, r=a.ndim: (0,) * r) for a in args]
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     out_dtype = x.dtype if split == 1 else jnp.float32
@@ -157,7 +145,7 @@ def grouped_matmul(x, rows, tile_expert, args: tuple, fmt: str, shape: tuple, bm
         compiler_params=None if interpret else _compiler_params(bs),
         name=f"grouped_matmul_{fmt or 'plain'}",
     )(rows.astype(jnp.int32), tile_expert.astype(jnp.int32), x, *args)
-    return out[0] if split == 1 else out.sum(axis=0).astype(x.dtype)
+    return sum_splits(out, x.dtype)
 
 
 __all__ = ["align", "for_rows", "grouped_matmul", "grouped_matmul_reference", "unsupported"]

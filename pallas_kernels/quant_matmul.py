@@ -77,6 +77,11 @@ def unsupported(fmt: str, shape: tuple, x_dtype) -> str | None:
         return f"format {fmt!r}"
     if len(shape) != 2:
         return f"weight rank {len(shape)} (stacked experts go through the grouped expert kernel)"
+    return matrix_unsupported(fmt, shape, x_dtype)
+
+
+def matrix_unsupported(fmt: str, shape: tuple, x_dtype) -> str | None:
+    """Why a [N, K] matrix of format fmt ("" for a plain one) cannot be tiled by these kernels."""
     N, K = shape
     if not _pow2_divisor(N, 16) or not _pow2_divisor(K, 32):
         return f"shape {shape}: N must be a multiple of 16 and K of 32"
@@ -150,6 +155,24 @@ def weight_tile(fmt: str, load, k: int, bk: int, bn: int, dtype, tensor_scale=No
     return w.astype(dtype)
 
 
+def tiling(fmt: str, N: int, K: int, bs: BlockSizes, row_tiles: int) -> tuple[int, int, int, int]:
+    """-> (bn, bk, split, steps): output columns per program, weights along K per inner step,
+    programs along K (bs.split, or 0: enough for ~2 programs per SM over row_tiles x N / bn output
+    tiles, dividing the K steps) and inner steps per program. Shared with grouped_matmul.py."""
+    bn = _pow2_divisor(N, min(bs.bn, 128) if fmt == "fp8b" else bs.bn)
+    bk = _pow2_divisor(K, max(bs.bk, 32))                    # >= 16 bytes of packed weights per step
+    k_steps = K // bk
+    split = bs.split or max(1, min(k_steps, 264 // max(row_tiles * (N // bn), 1)))
+    while k_steps % split:
+        split -= 1
+    return bn, bk, split, k_steps // split
+
+
+def sum_splits(out, dtype):
+    """The kernels' output [split, rows, N] (f32 partial sums when split > 1) -> [rows, N] in dtype."""
+    return out[0] if out.shape[0] == 1 else out.sum(axis=0).astype(dtype)
+
+
 def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision, rows: int):
     x_ref, *w_refs, o_ref = refs
     # x_ref [bm, K]; w_refs[0] [bn, K or K/2] this program's weight rows, then the scales (see the
@@ -202,16 +225,9 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
         raise ValueError(f"x has K={K}, the weight {shape}")
     bs = block_sizes or for_rows(M)
     g = GROUP.get(fmt, 0)
-    bn = _pow2_divisor(N, min(bs.bn, 128) if fmt == "fp8b" else bs.bn)
-    bk = _pow2_divisor(K, max(bs.bk, 32))                    # >= 16 bytes of packed weights per step
     bm = max(16, min(bs.bm, 1 << max(0, (M - 1).bit_length())))
     row_blocks = pl.cdiv(M, bm)                                # the last may overhang M (masked)
-    tiles = row_blocks * (N // bn)
-    k_steps = K // bk
-    split = bs.split or max(1, min(k_steps, 264 // max(tiles, 1)))
-    while k_steps % split:
-        split -= 1
-    steps = k_steps // split
+    bn, bk, split, steps = tiling(fmt, N, K, bs, row_blocks)
     d, s, *rest = args
     by_row = (lambda cols: pl.BlockSpec((bn, cols), lambda m, n, k: (n, 0)))     # this tile's rows, all columns
     in_specs = [pl.BlockSpec((bm, K), lambda m, n, k: (m, 0)),
@@ -241,7 +257,8 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
         compiler_params=None if interpret else _compiler_params(bs),
         name=f"quant_matmul_{fmt}",
     )(x, d, s, *rest)
-    return out[0] if split == 1 else out.sum(axis=0).astype(x.dtype)
+    return sum_splits(out, x.dtype)
 
 
-__all__ = ["BlockSizes", "GROUP", "for_rows", "kernel_args", "quant_matmul", "unsupported", "weight_tile"]
+__all__ = ["BlockSizes", "GROUP", "for_rows", "kernel_args", "matrix_unsupported", "quant_matmul", "sum_splits",
+           "tiling", "unsupported", "weight_tile"]

@@ -190,14 +190,19 @@ def test_request_too_long_is_refused(tiny):
         eng.add(Request([1, 2], SamplingParams(top_p=0)))
 
 
-def test_pallas_kernels_in_the_engine_match_the_reference_path(tiny):
-    """The engine with the Pallas kernels (interpret mode here) gives the reference path's tokens."""
-    rng = np.random.default_rng(5)
-    prompts = random_prompts(rng, 3, 5, 40)
+def greedy_by_impl(model, prompts) -> dict:
+    """impl -> the greedy tokens of prompts, with the reference path and the Pallas kernels
+    (interpret mode), on engines small enough to chunk prefills and batch decodes."""
     outs = {}
     for impl in ("reference", "pallas_interpret"):
-        eng = Engine(tiny, max_num_seqs=3, max_num_batched_tokens=32, decode_steps=2, attn_impl=impl)
+        eng = Engine(model, max_num_seqs=3, max_num_batched_tokens=32, decode_steps=2, attn_impl=impl)
         outs[impl] = [r.token_ids for r in eng.generate([Request(p, greedy(4, ignore_eos=True)) for p in prompts])]
+    return outs
+
+
+def test_pallas_kernels_in_the_engine_match_the_reference_path(tiny):
+    """The engine with the Pallas kernels (interpret mode here) gives the reference path's tokens."""
+    outs = greedy_by_impl(tiny, random_prompts(np.random.default_rng(5), 3, 5, 40))
     assert outs["pallas_interpret"] == outs["reference"]
 
 
@@ -212,10 +217,7 @@ def test_grouped_expert_kernel_in_the_engine_matches_the_reference_path(tiny):
     moe = dataclasses.replace(tiny, cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(1), scale=0.5))
     prompts = random_prompts(np.random.default_rng(6), 3, 5, 40)
     for model in (moe, dataclasses.replace(moe, params=quantize_params(moe.params, "int8", progress=False))):
-        outs = {}
-        for impl in ("reference", "pallas_interpret"):
-            eng = Engine(model, max_num_seqs=3, max_num_batched_tokens=32, decode_steps=2, attn_impl=impl)
-            outs[impl] = [r.token_ids for r in eng.generate([Request(p, greedy(4, ignore_eos=True)) for p in prompts])]
+        outs = greedy_by_impl(model, prompts)
         assert outs["pallas_interpret"] == outs["reference"]
 
 

@@ -62,7 +62,7 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
     def one(carry, j):
         kv, tok, pos, st, dense, guard, alive = carry
         blk = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
-        slots = jnp.where(alive if ends else valid, blk * bs + pos % bs, dropped)
+        slots = jnp.where(alive, blk * bs + pos % bs, dropped)          # (alive starts as valid)
         kv_lens = jnp.where(valid, pos + 1, 1)
         r = rows
         if freeze:                     # an ended row's state slot is out of range: its writes are dropped
