@@ -13,6 +13,7 @@ import numpy as np
 from . import generation_config
 from .config import ConfigError, ModelConfig
 from .hub import ALIASES, resolve
+from .models.fuse import fuse_params
 from .models.params import ParamSpec, declare_params
 from .tokenizer import Tokenizer, TokenizerError
 from .quant import check_weights
@@ -200,10 +201,12 @@ def planned_gguf_bytes(spec: str, dtype) -> int:
     return total
 
 
-def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, weights: str | None = None) -> LoadedModel:
+def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, weights: str | None = None,
+               fuse: bool = True) -> LoadedModel:
     """Raises ModelLoadError / ConfigError / TokenizerError with a one-line, actionable message.
     weights: a quant format (quant/formats.py) to quantize the projections to after loading, bf16p
-    (lossless packing) or gguf (a .gguf file's projections kept in their own blocks)."""
+    (lossless packing) or gguf (a .gguf file's projections kept in their own blocks). fuse: q/k/v
+    and gate/up in one matrix each where they fuse (models/fuse.py; the same output)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     _check_weights(weights, dtype)
@@ -220,11 +223,13 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
         params = materialize(declare_params(cfg), fetch, jdt, desc=f"loading {path.name}")
     if weights and not stored:
         from .quant.apply import quantize_params
-        params = quantize_params(params, weights)
+        params = quantize_params(params, weights, in_place=True)
         if weights == "bf16p":
             plain, packed, esc = report(params)
             log.info("bf16p: projections %.2f GiB -> %.2f GiB packed (%d escapes), bit-identical output",
                      plain / 2**30, packed / 2**30, esc)
+    if fuse:       # after quantizing part by part, as infernix-convert stores them: the same model either way
+        params = fuse_params(params, in_place=True)
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
                        tokenizer=tok, dtype=jdt, generation_defaults=gen, weights_format=weights or stored)
 

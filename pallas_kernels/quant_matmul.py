@@ -48,16 +48,18 @@ class BlockSizes:
     num_stages: int = 3
 
 
-def for_rows(m: int) -> BlockSizes:
+def for_rows(m: int, fmt: str = "") -> BlockSizes:
     """Default tiles by the number of rows: decode (few rows: bound by the weight bytes; a small
     tile and a K split keep every SM loading) or a small batch; many rows (compute bound: large
     tiles; infernix_jax's linear hands those to XLA instead). From the H200 sweep of
     `infernix-bench qmatmul --tune` (docs/benchmarks.md): the tiles with the least total time over
     int8, mxfp8, int4 and nvfp4 on qwen3-8b's up projection; decode's split from the in-step sweep
-    of scripts/experiments/tune_decode_qmm.py (fp8 and int8 kernel time inside a qwen3-8b decode
-    step: split 4 the least, 6% under split 2; no tile shape did better)."""
+    of scripts/experiments/tune_decode_qmm.py (fp8 kernel time inside a qwen3-8b decode step, with
+    q/k/v and gate/up fused: 64 columns and a K split sized to give ~2 programs per SM (2 for qkv,
+    1 for gate/up, 4 for down) 8% under the best fixed split, 4). nvfp4 (decoding e2m1 in
+    registers: bound by ALU, not bytes) keeps the earlier 32 columns and split 4, 12% faster there."""
     if m <= 16:
-        return BlockSizes(bm=16, bn=32, bk=256, split=4)
+        return BlockSizes(bm=16, bn=32, bk=256, split=4) if fmt == "nvfp4" else BlockSizes(bm=16, bn=64, bk=256, split=0)
     if m <= 128:
         return BlockSizes(bm=64, bn=64, bk=128)
     return BlockSizes(bm=256, bn=128, bk=64, split=1, num_warps=8)
@@ -223,7 +225,7 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
     N = shape[0]
     if K != shape[1]:
         raise ValueError(f"x has K={K}, the weight {shape}")
-    bs = block_sizes or for_rows(M)
+    bs = block_sizes or for_rows(M, fmt)
     g = GROUP.get(fmt, 0)
     bm = max(16, min(bs.bm, 1 << max(0, (M - 1).bit_length())))
     row_blocks = pl.cdiv(M, bm)                                # the last may overhang M (masked)

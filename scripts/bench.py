@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--attn-impl", default=None, choices=["pallas", "reference"],
                    help="shapes: the kernels to time (default pallas); decode: the engine's (default: pallas on GPU)")
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--unfused", action="store_true", help="shapes: q/k/v and gate/up as separate products (the "
+                                                          "loader fuses them: models/fuse.py), to measure the fusion")
     p.add_argument("--out", default="bench-out")
     from infernix_jax.quant.ggml import GGML_FORMATS
     add_model_args(p, more_weights=GGML_FORMATS)      # shapes also takes a GGUF block type (random blocks)
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
             ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
             bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
                              ints(a.torch_batches), a.attn_impl or "pallas", a.decode_steps, a.tune, a.weights,
-                             a.kv_dtype or "")
+                             a.kv_dtype or "", fuse=not a.unfused)
             return 0
         import jax
         from infernix_jax.loader import load_model

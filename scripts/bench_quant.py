@@ -54,11 +54,12 @@ def row_class(m: int) -> str:
 
 
 def projections(cfg) -> dict:
-    """name -> (N, K) of one layer's projections (gate and up have the same shape; wo is wq's
-    transpose, the same shape in the Qwen3 dense models)."""
-    H, hd = cfg.hidden_size, cfg.head_dim
-    return {"wq": (cfg.num_heads * hd, H), "wk": (cfg.num_kv_heads * hd, H), "w_up": (cfg.intermediate_size, H),
-            "w_down": (H, cfg.intermediate_size)}
+    """name -> (N, K) of one layer's projections as the loader fuses them (models/fuse.py), plus
+    the parts (wo is wq's transpose, the same shape in the Qwen3 dense models)."""
+    H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    return {"wqkv": (q + 2 * kv, H), "w_gate_up": (2 * I, H), "wq": (q, H), "wk": (kv, H), "w_up": (I, H),
+            "w_down": (H, I)}
 
 
 def run(shape: str, out: str, batches: list[int], formats: list[str], tune: bool) -> dict:

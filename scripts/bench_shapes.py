@@ -25,6 +25,7 @@ from infernix_jax.engine.sampler import SamplingArrays
 from infernix_jax.models.hybrid_paged import StateRows
 from infernix_jax.models.paged import KV_DTYPES, init_paged_kv, kv_bytes_per_token, num_attention_layers, state_bytes_per_seq
 from infernix_jax.engine.plan import params_bytes
+from infernix_jax.models.fuse import fuse_params
 from infernix_jax.models.params import init_params
 from infernix_jax.quant import WEIGHT_FORMATS
 
@@ -100,9 +101,10 @@ def gguf_blocks(params: dict, fmt: str) -> dict:
 
 class Bench:
     def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas",
-                 weights: str | None = None, kv_dtype: str = ""):
+                 weights: str | None = None, kv_dtype: str = "", fuse: bool = True):
         self.shape, self.cfg = shape, PRESETS[shape]
-        self.suffix = (f"-{weights}" if weights else "") + (f"-kv{kv_dtype}" if kv_dtype else "")
+        self.suffix = (f"-{weights}" if weights else "") + (f"-kv{kv_dtype}" if kv_dtype else "") \
+            + ("" if fuse else "-unfused")
         self.kv_dtype = kv_dtype
         self.out = out
         self.bs, self.k, self.impl = block_size, decode_steps, impl
@@ -116,12 +118,14 @@ class Bench:
             from infernix_jax.quant.apply import quantize_params, with_impl
             self.params = with_impl(quantize_params(self.params, weights, progress=False)
                                     if weights in WEIGHT_FORMATS else gguf_blocks(self.params, weights), impl)
+        if fuse:                 # as load_model does (models/fuse.py); --unfused: one product per part
+            self.params = fuse_params(self.params)
         self.weights_bytes = params_bytes(self.params)
         self.per_tok = kv_bytes_per_token(self.cfg, self.dtype, kv_dtype, block_size)
         self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state
         self.bw = copy_bandwidth()
         self.flops = matmul_flops()
-        self.results = {"shape": shape, "weights": weights or "bf16", "kv_dtype": kv_dtype or "bf16",
+        self.results = {"shape": shape, "weights": weights or "bf16", "kv_dtype": kv_dtype or "bf16", "fused": fuse,
                         "kv_bytes_per_token": self.per_tok, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "copy_GBps": self.bw / 1e9, "matmul_TFLOPs": self.flops / 1e12, "weights_GiB": self.weights_bytes / GiB, "decode": [],
                         "prefill": [], "attention": [], "torch": []}
@@ -418,10 +422,11 @@ def quantized_pools(kp, vp, kv_dtype: str):
 
 
 def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torch_batches, impl: str,
-        decode_steps: int, tune: bool = False, weights: str | None = None, kv_dtype: str = "") -> dict:
+        decode_steps: int, tune: bool = False, weights: str | None = None, kv_dtype: str = "",
+        fuse: bool = True) -> dict:
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
-    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights, kv_dtype=kv_dtype)
+    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights, kv_dtype=kv_dtype, fuse=fuse)
     print(json.dumps({"shape": shape, "copy_GBps": round(b.bw / 1e9, 1), "weights_GiB": round(b.weights_bytes / GiB, 2)}),
           flush=True)
     if tune:

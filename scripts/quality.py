@@ -113,8 +113,9 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
     import jax
     from infernix_jax.loader import DTYPES, load_model
     from infernix_jax.quant import quality as ql
+    from infernix_jax.models.fuse import fuse_params
     from infernix_jax.quant.apply import quantize_params, with_impl
-    model = load_model(model_spec, dtype="float32")
+    model = load_model(model_spec, dtype="float32", fuse=False)     # quantized part by part, then fused, as served
     if model.weights_format:
         raise ValueError(f"{model_spec} holds {model.weights_format} weights: infernix-quality measures each format "
                          f"against the unquantized model, so give it the model they were made from")
@@ -156,7 +157,7 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
                     if lossless and fmt == "none" and kv:
                         continue            # (the same computation as its floor, just above)
                     base = model.params if lossless else _cast(model.params, dt)
-                    params = base if fmt == "none" else quantize_params(base, fmt, progress=False)
+                    params = fuse_params(base if fmt == "none" else quantize_params(base, fmt, progress=False))
                     impl = "reference" if lossless or not on_gpu else "pallas"
                     st = ql.compare(ref, logprobs(with_impl(params, impl), route, f32 if lossless else dt, impl, kv),
                                     wins)

@@ -44,11 +44,16 @@ def test_round_trip_is_exact_and_keeps_the_tokenizer(smollm, converted):
 
 
 def test_quantized_round_trip_keeps_the_format(smollm, converted):
+    """A converted nvfp4 checkpoint loads as `--weights nvfp4` quantizes at load: part by part (each
+    with its tensor scale, so these parts stay apart: models/fuse.py)."""
+    from infernix_jax.models.fuse import fuse_params
     from infernix_jax.quant.apply import quantize_params
     m = load_model(str(converted["nvfp4"]))
     assert m.weights_format == "nvfp4"
-    want = quantize_params(smollm.params, "nvfp4", progress=False)
+    parts = load_model(str(smollm.path), with_tokenizer=False, fuse=False).params
+    want = fuse_params(quantize_params(parts, "nvfp4", progress=False))
     assert isinstance(m.params["layers"][3]["w_up"], QTensor)
+    assert jax.tree.structure(m.params) == jax.tree.structure(want)
     for a, b in zip(leaves(m.params), leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ModelLoadError, match="holds nvfp4 weights; --weights int8 would round them twice"):
@@ -165,7 +170,7 @@ def test_relative_paths_convert_and_load(smollm, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert convert_main([str(smollm.path), "rel", "--weights", "int8"]) == 0
     m = load_model("rel", with_tokenizer=False)
-    assert m.weights_format == "int8" and isinstance(m.params["layers"][0]["wq"], QTensor)
+    assert m.weights_format == "int8" and isinstance(m.params["layers"][0]["wqkv"], QTensor)
 
 
 def test_packed_matrices_without_escapes_are_stored(tmp_path):
@@ -186,7 +191,13 @@ def test_bf16p_converts_and_loads_bit_for_bit(smollm, tmp_path):
     from infernix_jax.quant.packed import Packed12, unpack
     assert convert_main([str(smollm.path), str(tmp_path / "p"), "--weights", "bf16p"]) == 0
     m = load_model(str(tmp_path / "p"), dtype="bfloat16", with_tokenizer=False)
-    assert m.weights_format == "bf16p" and isinstance(m.params["layers"][2]["wq"], Packed12)
-    want = np.asarray(smollm.params["layers"][2]["wq"].astype("bfloat16"))
-    np.testing.assert_array_equal(np.asarray(unpack(m.params["layers"][2]["wq"])).view(np.uint16), want.view(np.uint16))
+    assert m.weights_format == "bf16p" and isinstance(m.params["layers"][2]["wo"], Packed12)
+    assert all(isinstance(p["wqkv"], Packed12) and isinstance(p["w_gate_up"], Packed12) for p in m.params["layers"])
+    apart = load_model(str(tmp_path / "p"), dtype="bfloat16", with_tokenizer=False, fuse=False).params["layers"][2]
+    parts = load_model(str(smollm.path), with_tokenizer=False, fuse=False).params["layers"][2]
+    assert {n for n, w in apart.items() if isinstance(w, Packed12)} >= {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    for name, w in apart.items():
+        if isinstance(w, Packed12):
+            want = np.asarray(parts[name].astype("bfloat16"))
+            np.testing.assert_array_equal(np.asarray(unpack(w)).view(np.uint16), want.view(np.uint16))
     assert convert_main([str(smollm.path), str(tmp_path / "q"), "--weights", "bf16p", "--dtype", "float32"]) == 2

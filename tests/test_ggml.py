@@ -147,7 +147,7 @@ def test_smollm2_on_its_q4_1_blocks_gives_the_logits_of_dequantizing_at_load(smo
     from infernix_jax.loader import planned_gguf_bytes
     from test_models import ours_full
     m = load_model("smollm2-135m-instruct", dtype="float32", weights="gguf")
-    assert {p["wq"].fmt for p in m.params["layers"]} == {"q4_1"}
+    assert {p["wqkv"].fmt for p in m.params["layers"]} == {"q4_1"}          # q, k and v fused in their blocks
     assert params_bytes(m.params) < 0.4 * params_bytes(smollm.params)
     assert planned_gguf_bytes("smollm2-135m-instruct", jnp.float32) == params_bytes(m.params)
     ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])

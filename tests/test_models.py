@@ -219,6 +219,9 @@ def test_moe_grouped_kernel_equals_dense(tokens, monkeypatch):
     grouped = moe.moe_mlp(x, p, k, True, "silu", impl="pallas_interpret")
     assert rel_err(grouped, np.asarray(dense)) < 1e-5
     assert tiles == [16 if tokens < 100 else 64] * 3                     # gate, up, down went through it
+    tiles.clear()
+    one = moe.moe_mlp(x[:, :1], p, k, True, "silu", impl="pallas_interpret")
+    assert not tiles and rel_err(one, np.asarray(dense[:, :1])) < 1e-5   # 2 pairs < 8 / 2: the gather path
     odd = {**p, "e_gate": p["e_gate"][:, :24], "e_up": p["e_up"][:, :24], "e_down": p["e_down"][:, :, :24]}
     assert not moe.grouped_route_ok(odd, x.dtype)          # I = 24: the jnp paths take it
     tiles.clear()

@@ -15,7 +15,7 @@ from flax import struct
 from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 from ..config import ModelConfig
-from .layers import apply_rope, attention, gated_mlp, linear, rms_norm, rope_cos_sin
+from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
 from .llama import _write
 from .moe import moe_mlp
 
@@ -68,10 +68,10 @@ def gated_attention(cfg: ModelConfig, p, x, positions, attend):
     this step's k/v wherever the cache lives and attends (contiguous here, paged in the engine)."""
     B, T, _ = x.shape
     nH, nKV, hd, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
-    qg = linear(x, p["wq"]).reshape(B, T, nH, -1)
+    qw = nH * hd * (2 if cfg.attn_output_gate else 1)                # q rows: each head's q, then its gate
+    qg, k, v = projections(x, p, "wqkv", (qw, nKV * hd, nKV * hd))
+    qg, k, v = qg.reshape(B, T, nH, -1), k.reshape(B, T, nKV, hd), v.reshape(B, T, nKV, hd)
     q, gate = (qg[..., :hd], qg[..., hd:]) if cfg.attn_output_gate else (qg, None)
-    k = linear(x, p["wk"]).reshape(B, T, nKV, hd)
-    v = linear(x, p["wv"]).reshape(B, T, nKV, hd)
     q, k = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps), rms_norm_1p(k, p["k_norm"], cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, rot, cfg.rope_theta)      # RoPE on the first `rot` dims only
     q = jnp.concatenate([apply_rope(q[..., :rot], cos, sin), q[..., rot:]], axis=-1)
@@ -151,10 +151,10 @@ def _gated_deltanet(cfg: ModelConfig, p, x, conv_state, ssm_state):
 
 def hybrid_mlp(cfg: ModelConfig, p, i: int, y, impl: str = "reference"):
     if not cfg.is_moe_layer(i):
-        return gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"], cfg.hidden_act)
+        return gated_mlp(y, p, cfg.hidden_act)
     out = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, impl=impl)
-    if "s_gate" in p:
-        shared = gated_mlp(y, p["s_gate"], p["s_up"], p["s_down"], cfg.hidden_act)
+    if "s_down" in p:
+        shared = gated_mlp(y, p, cfg.hidden_act, prefix="s")
         out = out + jax.nn.sigmoid(linear(y, p["s_router"])) * shared
     return out
 

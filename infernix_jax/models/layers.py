@@ -10,6 +10,7 @@ from pallas_kernels import quant_matmul as qmm
 
 from ..quant.formats import QTensor, dequantize
 from ..quant.packed import Packed12, unpack
+from .fuse import BIAS, FUSED, split_rows
 
 _ACT = {
     "silu": jax.nn.silu,
@@ -78,8 +79,20 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def gated_mlp(x, w_gate, w_up, w_down, act: str):
-    return linear(activation(act)(linear(x, w_gate)) * linear(x, w_up), w_down)
+def projections(x, p, name: str, sizes: tuple) -> list:
+    """The outputs of FUSED[name]'s parts ([..., size] each, biases added): one product where the
+    loader fused them into p[name] (models/fuse.py), else one per part."""
+    bname, bparts = BIAS.get(name, ("", ()))
+    if name in p:
+        return split_rows(linear(x, p[name], p.get(bname)), sizes)
+    return [linear(x, p[n], p.get(b)) for n, b in zip(FUSED[name], bparts or (None,) * len(sizes))]
+
+
+def gated_mlp(x, p, act: str, prefix: str = "w"):
+    """act(x @ gate^T) * (x @ up^T) @ down^T with p's {prefix}_gate, _up (or fused _gate_up), _down."""
+    I = p[prefix + "_down"].shape[-1]
+    g, u = projections(x, p, prefix + "_gate_up", (I, I))
+    return linear(activation(act)(g) * u, p[prefix + "_down"])
 
 
 def attention(q, k_cache, v_cache, q_pos, kv_len=None):

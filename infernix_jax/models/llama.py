@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..config import ModelConfig
-from .layers import apply_rope, attention, gated_mlp, linear, rms_norm, rope_cos_sin
+from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
 from .moe import moe_mlp
 
 
@@ -39,9 +39,9 @@ def _write(cache_l, new, positions):
 def _attn_block(cfg: ModelConfig, p, x, cos, sin, attend):
     """x [B, T, H] -> attention output [B, T, H]; attend(q, k, v) -> o, all [B, T, heads, hd]."""
     B, T, _ = x.shape
-    q = linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
-    k = linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    nH, nKV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = projections(x, p, "wqkv", (nH * hd, nKV * hd, nKV * hd))
+    q, k, v = q.reshape(B, T, nH, hd), k.reshape(B, T, nKV, hd), v.reshape(B, T, nKV, hd)
     if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -65,7 +65,7 @@ def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer, impl: str
             if cfg.is_moe_layer(i):
                 y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, impl=impl)
             else:
-                y = gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"], cfg.hidden_act)
+                y = gated_mlp(y, p, cfg.hidden_act)
             x = x + y
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 

@@ -3,7 +3,9 @@
 With the Pallas route (impl "pallas", the GPU's default, or "pallas_interpret"), the (token,
 expert) pairs are sorted by expert and multiplied by the grouped expert kernel
 (pallas_kernels/grouped_matmul.py): only the chosen pairs are computed, each chosen expert's
-weights (plain or quantized, dequantized in the kernel) read once per tile of its tokens.
+weights (plain or quantized, dequantized in the kernel) read once per tile of its tokens. It runs
+from N * k >= E / 2 pairs; below (decode of a few rows) the gather path is faster: sorting the
+pairs into tiles costs more than it saves there.
 
 Otherwise, two plain-jnp paths with the same result: when the step has few tokens (decode:
 N * k <= E), the chosen experts' weights are gathered per token, so a step reads only k experts per
@@ -56,11 +58,6 @@ def _kernel_operands(w):
     return (kernel_args(w), w.fmt, tuple(w.shape)) if isinstance(w, QTensor) else ((w,), "", tuple(w.shape))
 
 
-def _quantized(p) -> bool:
-    from ..quant.formats import QTensor
-    return isinstance(p["e_up"], QTensor)
-
-
 def grouped_route_ok(p, dtype) -> bool:
     """Whether the grouped expert kernel takes this layer's experts (else the jnp paths run)."""
     from pallas_kernels.grouped_matmul import unsupported
@@ -100,10 +97,10 @@ def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str, gather: bool | Non
     xf = x.reshape(B * T, H)
     dt = x.dtype
     if impl in ("pallas", "pallas_interpret") and gather is None and grouped_route_ok(p, dt) \
-            and (B * T * top_k > E or _quantized(p)):
-        # plain experts at decode sizes keep the gather path below: on the H200 the kernel was 1.65x
-        # faster than it at 8 tokens but slower at one (a single, possibly cold, measurement;
-        # docs/benchmarks.md "Grouped expert kernel")
+            and 2 * B * T * top_k >= E:
+        # the kernel from half as many pairs as experts: on the H200 (qwen3-30b-a3b's layer) it was
+        # 1.65x faster than the gather path at 8 tokens (64 pairs, 128 experts) but 0.4x at one and
+        # 0.8x at two, and 0.28x at one with fp8 experts (docs/benchmarks.md "Grouped expert kernel")
         return _grouped_moe(xf, p, top_k, norm_topk_prob, act, impl == "pallas_interpret").reshape(B, T, H)
     if gather if gather is not None else B * T * top_k <= E:
         w, idx = _top_k(xf, p["router"], top_k, norm_topk_prob)                # [N, k]

@@ -14,6 +14,7 @@ from .packed import Packed12, pack
 
 # the weights models/layers.linear multiplies by ([out, in] matrices)
 QUANTIZABLE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
+                         "wqkv", "w_gate_up", "s_gate_up",      # fused (models/fuse.py; a fused model given to quantize_params)
                          "lin_qkvz", "lin_ba", "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out"})
 
 # routed experts [E, O, I] (models/moe.py)
@@ -37,13 +38,25 @@ def quantize_layer(p: dict, fmt: str) -> dict:
     return q
 
 
-def quantize_params(params: dict, fmt: str, progress: bool = True) -> dict:
-    """A copy of params with each layer's QUANTIZABLE matrices in format fmt (one layer at a time,
-    so the peak is one layer's worth of both forms)."""
-    what = "packing weights to 12 bits (bf16p)" if fmt == "bf16p" else f"quantizing weights to {fmt}"
-    layers = [quantize_layer(p, fmt) for p in tqdm(params["layers"], desc=what,
-                                                   unit="layer", disable=not progress)]
+def map_layers(params: dict, fn, in_place: bool, progress=lambda it: it) -> dict:
+    """params with each layer p replaced by fn(p), one at a time (in_place: in params' own list, so
+    no layer's old form outlives its replacement; a tuple of layers is copied to a list first)."""
+    layers = params["layers"] if in_place and isinstance(params["layers"], list) else list(params["layers"])
+    for i in progress(range(len(layers))):
+        layers[i] = fn(layers[i])
+    if in_place:
+        params["layers"] = layers
+        return params
     return {**params, "layers": layers}
+
+
+def quantize_params(params: dict, fmt: str, progress: bool = True, in_place: bool = False) -> dict:
+    """params with each layer's QUANTIZABLE matrices in format fmt, one layer at a time. in_place
+    (the loader's): each layer replaced as it is quantized, so the peak is one layer's worth of
+    both forms; else a copy beside the original."""
+    what = "packing weights to 12 bits (bf16p)" if fmt == "bf16p" else f"quantizing weights to {fmt}"
+    bar = lambda it: tqdm(it, desc=what, unit="layer", disable=not progress)  # noqa: E731
+    return map_layers(params, lambda p: quantize_layer(p, fmt), in_place, bar)
 
 
 def with_impl(params: dict, impl: str) -> dict:

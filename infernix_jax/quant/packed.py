@@ -26,7 +26,8 @@ ESCAPE = 15
 @struct.dataclass
 class Packed12:
     """lo [..., O, I] uint8: sign << 7 | mantissa; codes [..., O, ceil(I/2)] uint8: two 4-bit
-    exponent codes (element 2j in the low nibble); base: int32 scalar, the exponent of code 0;
+    exponent codes (element 2j in the low nibble); base: int32, the exponent of code 0 (a scalar,
+    or [O, 1] for a matrix fused from parts with windows of their own: models/fuse.py);
     esc_idx [E] int32: flat indices of the escapes; esc_val [E] bfloat16: their values."""
     lo: jax.Array
     codes: jax.Array

@@ -34,7 +34,7 @@ def main():
         b = bench_shapes.Bench(a.shape, out, weights=w)
         for cand in CANDIDATES:
             tiles = qmm.BlockSizes(16, *cand)
-            qmm.for_rows = lambda m, t=tiles: t if m <= 16 else original(m)
+            qmm.for_rows = lambda m, fmt="", t=tiles: t if m <= 16 else original(m, fmt)
             jax.clear_caches()
             try:
                 k = decode_traced(b, a.batch, a.context)["kernels"]
