@@ -19,7 +19,7 @@ from sanic.exceptions import SanicException
 from sanic.response import json as json_response
 from sanic.response import raw
 
-from . import anthropic_messages, openai_chat, openai_completions, openai_responses
+from . import anthropic_messages, openai_chat, openai_completions, openai_responses, webui
 from .errors import APIError, protocol_of
 from .metrics import Metrics, RequestStats
 from .streaming import PieceRenderer, ReaderPaused, stream
@@ -77,7 +77,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
 
     @app.on_request
     async def gate(request):
-        if request.path in OPEN_PATHS:
+        if request.path in OPEN_PATHS or webui.is_open(request.path):
             return None
         key = limits.api_key
         if key:
@@ -119,6 +119,8 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
     async def unexpected(request, exc: Exception):
         log.exception("unhandled error")
         return APIError(f"internal error: {type(exc).__name__}", 500, "server_error").response(protocol_of(request.path))
+
+    webui.add_routes(app)
 
     @app.get("/health")
     async def health(request):
