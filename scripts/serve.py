@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from scripts import serve_config
 from scripts._common import add_engine_args, add_model_args, apply_route, describe_prefix_cache, engine_kwargs, run
 
 
@@ -51,9 +52,15 @@ def main(argv=None) -> int:
                    help="cap on the tokens of any one reply (like llama-server's -n; default: what fits the context)")
     p.add_argument("--plan", action="store_true",
                    help="print what a start would allocate (weights, KV pool, ...) without loading, and exit")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="options from a JSON file, by their long names without dashes (e.g. {\"model\": "
+                        "\"qwen3-8b\", \"kv-cache-gib\": 8}); flags on the command line win. The /configure "
+                        "page saves settings that need a restart there (default: ~/.cache/infernix/serve-config.json)")
 
     def go():
-        a = p.parse_args(argv)
+        args, config_file = serve_config.argv_with_config(p, argv)
+        a = p.parse_args(args)
+        started = serve_config.started(p, a)           # before apply_route settles derived values
         apply_route(a)
         if not 0 < a.port < 65536:
             raise ValueError(f"--port must be between 1 and 65535, got {a.port}")
@@ -105,7 +112,8 @@ def main(argv=None) -> int:
               + (f", weights {model.weights_format}" if model.weights_format else ""), file=sys.stderr)
         if a.warmup == "full":
             print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
-        app = create_app(engine, warmup=a.warmup == "basic", limits=limits)
+        app = create_app(engine, warmup=a.warmup == "basic", limits=limits,
+                         admin_info=_admin_info(p, started, config_file))
         print(f"infernix-serve: serving {model.name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:
             app.run(host=a.host, port=a.port, single_process=True, motd=False, access_log=False)
@@ -113,6 +121,22 @@ def main(argv=None) -> int:
             raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
 
     return run("infernix-serve", go)
+
+
+def _admin_info(p, started: dict, config_file: str | None):
+    """What the /configure page may show and change of this command's options."""
+    from server.admin import LIVE, AdminInfo
+
+    def validate(settings: dict) -> dict:
+        ns = serve_config.parse_checked(p, settings)
+        engine_kwargs(ns)                                  # the engine's range checks
+        if not 0 < ns.port < 65536:
+            raise ValueError(f"port must be between 1 and 65535, got {ns.port}")
+        return settings
+    live = (*LIVE, "override-generation-config")
+    return AdminInfo(config_file=config_file or serve_config.default_path(),
+                     options=serve_config.describe(p, skip=live), started=started, validate=validate,
+                     canonical=lambda d: serve_config.canonical(p, d))
 
 
 def _override(text: str | None) -> dict:

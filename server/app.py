@@ -1,7 +1,8 @@
 """The Sanic application. One process; the engine (and its device thread) lives on app.ctx.
 
 Routes: OpenAI Chat Completions, Completions, Responses; Anthropic Messages and count_tokens;
-/v1/models, /health. Every protocol goes through the same path: build (validate the body; 4xx
+/v1/models, /health, /metrics; the web UI (/, /configure: server/webui.py) and its /admin/config
+(server/admin.py). Every protocol goes through the same path: build (validate the body; 4xx
 before anything reaches the engine) -> Turns on the engine -> collect (one JSON body) or stream
 (server/streaming.py with the protocol's renderer)."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sanic.exceptions import SanicException
 from sanic.response import json as json_response
 from sanic.response import raw
 
-from . import anthropic_messages, openai_chat, openai_completions, openai_responses, webui
+from . import admin, anthropic_messages, openai_chat, openai_completions, openai_responses, webui
 from .errors import APIError, protocol_of
 from .metrics import Metrics, RequestStats
 from .streaming import PieceRenderer, ReaderPaused, stream
@@ -61,7 +62,8 @@ class ServerLimits:
 OPEN_PATHS = {"/health", "/metrics"}       # no API key needed
 
 
-def create_app(engine, name: str = "infernix", warmup: bool = True, limits: ServerLimits | None = None) -> Sanic:
+def create_app(engine, name: str = "infernix", warmup: bool = True, limits: ServerLimits | None = None,
+               admin_info: admin.AdminInfo | None = None) -> Sanic:
     limits = limits or ServerLimits()
     limits.check()
     app = Sanic(name)
@@ -70,6 +72,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
     app.config.KEEP_ALIVE_TIMEOUT = limits.keep_alive_s
     app.ctx.engine = engine
     app.ctx.limits = limits
+    app.ctx.admin = admin_info         # infernix-serve's options and config file (/configure)
     app.ctx.tolerant = limits.tolerant_tool_calls
     app.ctx.metrics = Metrics(engine, limits.log_requests)
     app.ctx.in_flight = 0          # HTTP requests being served
@@ -121,6 +124,18 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
         return APIError(f"internal error: {type(exc).__name__}", 500, "server_error").response(protocol_of(request.path))
 
     webui.add_routes(app)
+
+    @app.get("/admin/config")
+    async def admin_config(request):
+        return json_response(admin.snapshot(request.app))
+
+    @app.post("/admin/config")
+    async def admin_update(request):
+        try:
+            body = json.loads(request.body or b"")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from None
+        return json_response(admin.update(request.app, body))
 
     @app.get("/health")
     async def health(request):

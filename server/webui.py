@@ -15,7 +15,7 @@ from .errors import APIError
 STATIC = Path(__file__).parent / "static"
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
          ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".txt": "text/plain; charset=utf-8"}
-PAGES = {"/": "index.html"}
+PAGES = {"/": "index.html", "/configure": "configure.html"}
 
 
 def is_open(path: str) -> bool:

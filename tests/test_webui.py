@@ -2,8 +2,11 @@
 with the default model: send a message and see the streamed reply with its stats, stop a reply,
 reload and see the conversation, the API key asked for and kept out of URLs, and replies rendered
 without letting their text become markup. Screenshots go to test-artifacts/."""
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -123,14 +126,20 @@ def test_reasoning_folds_tool_calls_show_and_text_stays_text(page, server_url):
 
 
 @pytest.fixture(scope="module")
-def keyed_url(smollm, tmp_path_factory):
-    yield from start_server(tmp_path_factory, "--api-key", "s3cret-key", "--max-batch", "2")
+def keyed(smollm, tmp_path_factory):
+    """A server started from a config file (--config) holding its API key: (url, config path)."""
+    cfg = tmp_path_factory.mktemp("config") / "serve.json"
+    cfg.write_text(json.dumps({"api-key": "s3cret-key", "max-batch": 2, "served-model-name": ["smollm2-135m-instruct"],
+                               "prefix-cache-ram-gib": 0.25}))
+    for url in start_server(tmp_path_factory, "--config", str(cfg)):
+        yield url, cfg
 
 
-def test_the_page_asks_for_the_api_key_and_keeps_it_out_of_urls(page, keyed_url):
+def test_the_page_asks_for_the_api_key_and_keeps_it_out_of_urls(page, keyed):
+    url, _ = keyed
     urls = []
     page.on("request", lambda r: urls.append(r.url))
-    page.goto(keyed_url + "/")
+    page.goto(url + "/")
     page.wait_for_selector("#key-form:not([hidden])")
     page.fill("#api-key", "wrong")
     page.click("#key-form button[type=submit]")
@@ -141,7 +150,83 @@ def test_the_page_asks_for_the_api_key_and_keeps_it_out_of_urls(page, keyed_url)
     assert page.is_hidden("#key-form")
     ask(page, "Hi!", 4)
     page.wait_for_selector(".msg.assistant .stats", timeout=120_000)
-    assert not page.text_content(".msg.assistant .error") if page.query_selector(".msg.assistant .error") else True
+    assert page.query_selector(".msg.assistant .error") is None
     assert urls and not [u for u in urls if "s3cret" in u]
-    assert httpx.get(keyed_url + "/v1/models").status_code == 401          # the API itself stays closed
-    assert httpx.get(keyed_url + "/").status_code == 200                    # the page holds nothing
+    assert httpx.get(url + "/v1/models").status_code == 401                 # the API itself stays closed
+    assert httpx.get(url + "/admin/config").status_code == 401
+    assert httpx.get(url + "/").status_code == 200                          # the pages hold nothing
+    assert httpx.get(url + "/configure").status_code == 200
+
+
+def test_configure_shows_the_server_and_changes_settings(page, keyed):
+    url, cfg = keyed
+    auth = {"Authorization": "Bearer s3cret-key"}
+    page.goto(url + "/configure")
+    page.wait_for_selector("#key-form:not([hidden])")
+    page.fill("#api-key", "s3cret-key")
+    page.click("#key-form button[type=submit]")
+    page.wait_for_function("document.getElementById('model').textContent.includes('smollm2-135m-instruct')")
+    assert "blocks in use" in page.text_content("#kv") and "running" in page.text_content("#requests")
+    assert "required" in page.text_content("#model")
+    assert "RAM tier" in page.text_content("#prefix") and "of 0.25 GiB" in page.text_content("#prefix")
+    assert page.text_content("#restart-command") == f"infernix-serve --config {cfg}"
+    assert "s3cret" not in page.content()                                   # never sent back
+
+    # a live setting: the next reply is capped at once
+    page.fill("input[name=max-new-tokens]", "3")
+    page.fill("input[name='s:temperature']", "0")
+    page.click("#apply-live")
+    page.wait_for_function("document.getElementById('live-result').textContent.startsWith('Applied')")
+    r = httpx.post(url + "/v1/chat/completions", headers=auth, timeout=120,
+                   json={"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 50})
+    assert r.json()["usage"]["completion_tokens"] <= 3
+    live = httpx.get(url + "/admin/config", headers=auth).json()["live"]
+    assert live["max-new-tokens"] == 3 and live["sampling"] == {"temperature": 0.0}
+
+    # settings for the next start: a bad value is refused and changes nothing; a good one is saved
+    before = cfg.read_text()
+    page.fill("input[name=block-size]", "big")
+    page.click("#save-restart")
+    page.wait_for_selector("#restart-result.error")
+    assert "block-size" in page.text_content("#restart-result") and cfg.read_text() == before
+    page.fill("input[name=block-size]", "32")
+    page.fill("input[name=kv-cache-gib]", "0.5")
+    page.click("#save-restart")
+    page.wait_for_function("document.getElementById('restart-result').textContent.includes('Restart the server with')")
+    saved = json.loads(cfg.read_text())
+    assert saved["block-size"] == 32 and saved["kv-cache-gib"] == 0.5 and saved["max-new-tokens"] == 3
+    assert saved["api-key"] == "s3cret-key" and saved["max-num-seqs"] == 2       # what it started with stays
+    assert "max-batch" not in saved                                               # (under one name)
+    shot(page, "webui-configure")
+    # and infernix-serve reads it back
+    plan = subprocess.run([sys.executable, "-m", "scripts.serve", "--config", str(cfg), "--plan"],
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    assert "0.50 GiB = " in plan.stdout and "x 32 tokens" in plan.stdout and "max_num_seqs:       2" in plan.stdout
+
+
+def test_admin_config_refuses_bad_bodies(keyed):
+    url, cfg = keyed
+    auth = {"Authorization": "Bearer s3cret-key"}
+    before = cfg.read_text()
+    for body, msg in ((b"[1, 2]", "JSON object"), (b"{oops", "not valid JSON"),
+                      (b'{"live": {"max-pending-requests": 0}}', "max-pending-requests"),
+                      (b'{"live": {"model": "x"}}', "not a live setting"),
+                      (b'{"live": {"sampling": {"temperature": -1}}}', "temperature"),
+                      (b'{"restart": {"max-new-tokens": 5}}', "live setting"),
+                      (b'{"restart": {"no-such-option": 1}}', "unknown option"),
+                      (b'{"restart": {"port": 70000}}', "port")):
+        r = httpx.post(url + "/admin/config", headers=auth, content=body)
+        assert r.status_code == 400 and msg in r.json()["error"]["message"], (body, r.text)
+    assert cfg.read_text() == before
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_bad_config_file_is_a_one_line_error(tmp_path):
+    for text, msg in (("{", "not valid JSON"), ("[]", "JSON object"), ('{"kv-cache": 1}', "unknown option 'kv-cache'"),
+                      ('{"lossless": "yes"}', "true or false")):
+        f = tmp_path / "c.json"
+        f.write_text(text)
+        r = subprocess.run([sys.executable, "-m", "scripts.serve", "--config", str(f), "--plan"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -107,6 +107,12 @@ class SSDTier:
             entry.hold()
         self._queue.put(entry)
 
+    def budget_left(self) -> float:
+        """Bytes the write budget allows now (what _take_budget would grant)."""
+        with self._lock:
+            self._take_budget(0)
+            return self._bucket
+
     def _take_budget(self, n: int) -> bool:
         now = self._clock()
         self._bucket = min(self.bucket_max, self._bucket + (now - self._t) * self.rate)

@@ -4,8 +4,6 @@
 "use strict";
 
 const STORE = "infernix.chats";          // {chats: [{id, title, messages}], current}
-const KEY = "infernix.apiKey";           // the API key, if the server wants one (never put in a URL)
-const $ = id => document.getElementById(id);
 
 let state = load();
 let model = null;                        // the served model's name (GET /v1/models)
@@ -32,15 +30,6 @@ function current() {
   return c;
 }
 
-function headers() {
-  const h = {"Content-Type": "application/json"};
-  const k = localStorage.getItem(KEY);
-  if (k) h["Authorization"] = "Bearer " + k;
-  return h;
-}
-
-function setStatus(text) { $("status").textContent = text ? " · " + text : ""; }
-
 async function loadModel() {
   try {
     const r = await fetch("/v1/models", {headers: headers()});
@@ -54,13 +43,6 @@ async function loadModel() {
 }
 
 // ---- rendering -------------------------------------------------------------------------------
-function el(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
 function renderList() {
   const ul = $("chat-list");
   ul.replaceChildren();
@@ -238,12 +220,7 @@ $("new-chat").addEventListener("click", () => {
   state.current = null; current(); save(); renderAll(); $("prompt").focus();
 });
 $("key-button").addEventListener("click", () => { $("key-form").hidden = !$("key-form").hidden; });
-$("key-form").addEventListener("submit", ev => {
-  ev.preventDefault();
-  localStorage.setItem(KEY, $("api-key").value.trim());
-  $("api-key").value = "";
-  loadModel();
-});
+wireKeyForm(loadModel);
 $("forget-key").addEventListener("click", () => { localStorage.removeItem(KEY); loadModel(); });
 
 renderAll();
