@@ -65,9 +65,11 @@ def test_chat_streams_stops_and_survives_a_reload(page, server_url):
 
     ask(page, "Name three colours.", 24)
     page.wait_for_selector(".msg.assistant .stats", timeout=120_000)
+    page.wait_for_selector("#send", state="visible", timeout=120_000)          # the reply has ended
     reply = page.text_content(".msg.assistant .content").strip()
     stats = page.text_content(".msg.assistant .stats")
     assert reply and model in stats and "TTFT" in stats and "tok/s" in stats and "tokens" in stats, stats
+    assert "streaming" not in stats
     assert page.is_visible("#send") and not page.is_visible("#stop")
     shot(page, "webui-chat")
 
@@ -75,9 +77,12 @@ def test_chat_streams_stops_and_survives_a_reload(page, server_url):
     ask(page, "Write a very long story about a dragon who learns to cook.", 4000)
     page.wait_for_function("document.querySelectorAll('.msg.assistant .content')[1]?.textContent.length > 20",
                            timeout=120_000)
+    live = page.text_content(".msg.assistant:nth-of-type(4) .stats")       # stats while it streams
+    assert "streaming" in live and "tok/s" in live and "TTFT" in live, live
     page.click("#stop")
-    page.wait_for_selector(".msg.assistant:nth-of-type(4) .stats", timeout=30_000)
-    assert "stopped" in page.text_content(".msg.assistant:nth-of-type(4) .stats")
+    page.wait_for_function("document.querySelector('.msg.assistant:nth-of-type(4) .stats').textContent"
+                           ".includes('stopped')", timeout=30_000)
+    assert "streaming" not in page.text_content(".msg.assistant:nth-of-type(4) .stats")
     deadline = time.time() + 30
     while httpx.get(server_url + "/health").json()["running"] and time.time() < deadline:
         time.sleep(0.2)
@@ -150,6 +155,7 @@ def test_the_page_asks_for_the_api_key_and_keeps_it_out_of_urls(page, keyed):
     assert page.is_hidden("#key-form")
     ask(page, "Hi!", 4)
     page.wait_for_selector(".msg.assistant .stats", timeout=120_000)
+    page.wait_for_selector("#send", state="visible", timeout=120_000)
     assert page.query_selector(".msg.assistant .error") is None
     assert urls and not [u for u in urls if "s3cret" in u]
     assert httpx.get(url + "/v1/models").status_code == 401                 # the API itself stays closed

@@ -91,6 +91,7 @@ function fillMessage(node, m) {
     if (s && s.tok_s !== undefined) parts.push(`${s.tok_s.toFixed(1)} tok/s`);
     if (s && s.tokens !== undefined) parts.push(`${s.tokens} tokens`);
     if (s && s.finish) parts.push(s.finish);
+    if (s && s.live) parts.push("streaming");
     if (m.stopped) parts.push("stopped");
     node.appendChild(el("div", "stats", parts.join(" · ")));
   }
@@ -136,7 +137,12 @@ async function send(text) {
   const t0 = performance.now();
   let tFirst = null, usage = null, finish = null, pieces = 0;
   let pending = false;
-  const redraw = () => {
+  const redraw = () => {                 // at most once a frame, with the stats so far
+    if (tFirst !== null) {
+      const secs = (performance.now() - tFirst) / 1000;
+      msg.stats = {model: model || undefined, ttft_ms: tFirst - t0, live: true};
+      if (secs > 0 && pieces > 1) msg.stats.tok_s = (pieces - 1) / secs;
+    }
     if (pending) return;
     pending = true;
     requestAnimationFrame(() => { pending = false; fillMessage(nodes.get(msg), msg); $("messages").scrollTop = $("messages").scrollHeight; });
