@@ -33,9 +33,10 @@ def check(d: dict, source: str, strict: bool = True) -> dict:
         typ, lo, hi = FIELDS[k]
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and float(v) != int(v)):
-            raise ValueError(f"{source}: {k} must be a{'n integer' if typ is int else ' number'}, got {v!r}")
-        if not math.isfinite(v) or not lo <= v <= hi:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or (typ is int and float(v) != int(v)):
+            raise ValueError(f"{source}: {k} must be a{'n integer' if typ is int else ' finite number'}, got {v!r}")
+        if not lo <= v <= hi:
             raise ValueError(f"{source}: {k} must be in [{lo:g}, {hi:g}], got {v}")
         out[k] = typ(v)
     if out.get("top_k") == 0:

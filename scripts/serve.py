@@ -11,7 +11,7 @@ from scripts import serve_config
 from scripts._common import add_engine_args, add_model_args, apply_route, describe_prefix_cache, engine_kwargs, run
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infernix-serve", description=__doc__)
     add_model_args(p)
     add_engine_args(p)
@@ -56,6 +56,11 @@ def main(argv=None) -> int:
                    help="options from a JSON file, by their long names without dashes (e.g. {\"model\": "
                         "\"qwen3-8b\", \"kv-cache-gib\": 8}); flags on the command line win. The /configure "
                         "page saves settings that need a restart there (default: ~/.cache/infernix/serve-config.json)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
 
     def go():
         args, config_file = serve_config.argv_with_config(p, argv)
@@ -124,14 +129,26 @@ def main(argv=None) -> int:
 
 
 def _admin_info(p, started: dict, config_file: str | None):
-    """What the /configure page may show and change of this command's options."""
+    """What the /configure page may show and change of this command's options. A key given on the
+    command line (not in the config file) is not written back: the restart command asks for it."""
     from server.admin import LIVE, AdminInfo
+    from server.app import ServerLimits
+    in_file = serve_config.canonical(p, serve_config.read(config_file)) if config_file else {}
+    if "api-key" not in in_file:
+        started = {k: v for k, v in started.items() if k != "api-key"}
 
     def validate(settings: dict) -> dict:
         ns = serve_config.parse_checked(p, settings)
         engine_kwargs(ns)                                  # the engine's range checks
         if not 0 < ns.port < 65536:
             raise ValueError(f"port must be between 1 and 65535, got {ns.port}")
+        if ns.lossless and (ns.dtype not in (None, "float32") or ns.kv_dtype not in (None, "model")
+                            or ns.attn_impl not in (None, "reference")):
+            raise ValueError("lossless computes in float32 with the reference attention and exact KV: "
+                             "drop dtype, kv-dtype and attn-impl")
+        ServerLimits(max_http_clients=ns.max_http_clients, max_pending_requests=ns.max_pending_requests,
+                     max_body_mb=ns.max_body_mb, end_in_thinking=ns.end_in_thinking,
+                     max_new_tokens=ns.max_new_tokens).check()
         return settings
     live = (*LIVE, "override-generation-config")
     return AdminInfo(config_file=config_file or serve_config.default_path(),

@@ -1,12 +1,12 @@
 """infernix-serve's config file (`--config FILE`): a JSON object of its options by their long names
 without the dashes, e.g. {"model": "qwen3-8b", "kv-cache-gib": 8, "lossless": true}. Options given on
-the command line win over the file. The /configure page writes the file (server/admin.py)."""
+the command line win over the file (but a flag the file turns on stays on). The /configure page
+writes the file (server/admin.py)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
+import math
 import os
 
 NOT_IN_FILE = ("config", "plan", "help")       # what a file cannot hold
@@ -57,12 +57,16 @@ def tokens(p: argparse.ArgumentParser, settings: dict, where: str) -> list[str]:
         elif v is None:
             continue
         elif k == "list":
-            vals = v if isinstance(v, list) else [v]
-            out += [f"--{name}", *map(str, vals)]
+            vals = [str(x) for x in (v if isinstance(v, list) else [v])]
+            if not vals or any(x.startswith("-") or isinstance(x, (dict, list)) for x in vals):
+                raise ValueError(f"{where}: {name} takes a list of plain values, not {json.dumps(v)}")
+            out += [f"--{name}", *vals]
         elif isinstance(v, (dict, list, bool)):
             raise ValueError(f"{where}: {name} takes one value, not {json.dumps(v)}")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{where}: {name} must be a finite number, not {v}")
         else:
-            out += [f"--{name}", str(v)]
+            out.append(f"--{name}={v}")          # one token: a value may start with '-'
     return out
 
 
@@ -91,15 +95,22 @@ def argv_with_config(p: argparse.ArgumentParser, argv: list[str] | None) -> tupl
     return tokens(p, read(known.config), f"--config {known.config}") + rest, known.config
 
 
+class _Refused(Exception):
+    pass
+
+
 def parse_checked(p: argparse.ArgumentParser, settings: dict) -> argparse.Namespace:
-    """settings parsed as p would parse them from a file (ValueError with argparse's own message)."""
-    err = io.StringIO()
+    """settings parsed as p would parse them from a file (ValueError with argparse's own message,
+    which p.error would print before exiting the process)."""
+    def refuse(message):
+        raise _Refused(message)
+    p.error = refuse                       # (on this parser object only; the server parsed its own long ago)
     try:
-        with contextlib.redirect_stderr(err):
-            return p.parse_args(tokens(p, settings, "setting"))
-    except SystemExit:
-        msg = err.getvalue().strip().splitlines()
-        raise ValueError(msg[-1].split(": error: ", 1)[-1] if msg else "invalid settings") from None
+        return p.parse_args(tokens(p, settings, "setting"))
+    except _Refused as e:
+        raise ValueError(str(e)) from None
+    finally:
+        del p.error
 
 
 def started(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:

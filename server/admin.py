@@ -5,7 +5,10 @@ Settings the server reads per request (the caps on replies, queue and clients, t
 defaults, tool-call and thinking policies) change at once. The rest shape what is allocated and
 compiled at start (model, dtypes, pool sizes, tiers, address): they are written, with the live ones,
 to the config file that `infernix-serve --config FILE` reads, and the answer names the command that
-restarts with them. The API key is never sent back (only whether one is set)."""
+restarts with them: the file holds the options this process started with plus every change made
+here since (the whole file is rewritten). The API key is never sent back (only whether one is set),
+and one given on the command line or in the environment is not written (the command says to pass
+it again). Changes must come as JSON from the page's own origin: a page elsewhere cannot post here."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +16,7 @@ import json
 import os
 import tempfile
 from typing import Callable
+from urllib.parse import urlsplit
 
 from .errors import APIError
 
@@ -28,9 +32,11 @@ class AdminInfo:
     """What infernix-serve tells the page about its own options (the server knows no CLI itself)."""
     config_file: str                      # where settings for the next start are written
     options: list                         # [{name, help, default, choices, kind}] needing a restart
-    started: dict                         # option -> value this process started with (non-default ones)
+    started: dict                         # option -> value this process started with (non-default ones;
+                                          # a key from the command line left out)
     validate: Callable[[dict], dict]      # settings -> the same, checked (ValueError: why not)
     canonical: Callable[[dict], dict] = dict   # settings with each option under one name (no aliases)
+    changed: dict = dataclasses.field(default_factory=dict)   # what the page changed since the start
 
 
 def _prefix_cache(engine) -> dict | None:
@@ -48,13 +54,14 @@ def _prefix_cache(engine) -> dict | None:
     return out
 
 
-def _saved(info: AdminInfo) -> dict:
-    try:
-        with open(info.config_file) as f:
-            d = json.load(f)
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
+def _next(info: AdminInfo) -> dict:
+    """The settings of the next start: this process's, with the page's changes."""
+    return {**info.canonical(info.started), **info.changed}
+
+
+def _command(info: AdminInfo, limits) -> str:
+    cmd = f"infernix-serve --config {info.config_file}"
+    return cmd + " --api-key …" if limits.api_key and "api-key" not in _next(info) else cmd
 
 
 def _public(d: dict) -> dict:
@@ -79,14 +86,16 @@ def snapshot(app) -> dict:
         "live": live,
     }
     if info is not None:
-        out["restart"] = {"options": info.options, "started": _public(info.started), "saved": _public(_saved(info)),
-                          "config_file": info.config_file, "command": f"infernix-serve --config {info.config_file}"}
+        out["restart"] = {"options": info.options, "started": _public(info.started), "saved": _public(_next(info)),
+                          "config_file": info.config_file, "command": _command(info, limits)}
     return out
 
 
-def _live_changes(limits, body: dict) -> tuple[object, dict]:
+def _live_changes(limits, body) -> tuple[object, dict]:
     """-> (limits with body's live settings, those settings as config-file options)."""
     from infernix_jax import generation_config
+    if not isinstance(body, dict):
+        raise ValueError("live must be an object of live settings")
     changes, options = {}, {}
     for name, value in body.items():
         if name == "sampling":
@@ -126,41 +135,55 @@ def _write(path: str, settings: dict) -> None:
     os.replace(tmp, path)
 
 
+def same_origin(request) -> str | None:
+    """Why a settings change is refused as cross-site (None: it is not). JSON only (a form or a
+    plain-text post from another page needs no preflight), and an Origin, where the browser sends
+    one, naming this server."""
+    if not request.headers.get("content-type", "").lower().startswith("application/json"):
+        return "settings changes must be sent as application/json"
+    origin = request.headers.get("origin")
+    if origin and urlsplit(origin).netloc != request.host:
+        return f"a page from {origin} cannot change this server's settings"
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return "a page from another site cannot change this server's settings"
+    return None
+
+
 def update(app, body) -> dict:
-    """body: {"live": {...}, "restart": {option: value or null to drop it}} -> what was done."""
+    """body: {"live": {...}, "restart": {option: value or null to drop it}} -> what was done. The
+    file is written before anything changes: a change that cannot be kept is not made."""
     info = app.ctx.admin
     if not isinstance(body, dict) or not set(body) <= {"live", "restart"}:
         raise APIError("the body must be a JSON object with 'live' and/or 'restart'", 400)
+    live = {} if body.get("live") is None else body["live"]
     try:
-        limits, live_opts = _live_changes(app.ctx.limits, body.get("live") or {})
-        restart = body.get("restart") or {}
+        limits, live_opts = _live_changes(app.ctx.limits, live)
+        restart = {} if body.get("restart") is None else body["restart"]
         if not isinstance(restart, dict):
             raise ValueError("restart must be an object of infernix-serve options")
         if restart and info is None:
             raise ValueError("this server was not started by infernix-serve: it has no config file to write")
         if info is not None:
-            saved = {**info.canonical(info.started), **info.canonical(_saved(info)), **live_opts}
+            changed = {**info.changed, **live_opts}
             for k, v in info.canonical(restart).items():
                 if k in LIVE or k == "override-generation-config":
                     raise ValueError(f"{k!r} is a live setting: send it under 'live'")
-                if v is None:
-                    saved.pop(k, None)
-                else:
-                    saved[k] = v
-            saved = info.validate(saved)
-    except ValueError as e:
+                changed[k] = v
+            nxt = info.validate({k: v for k, v in {**info.canonical(info.started), **changed}.items() if v is not None})
+    except (ValueError, TypeError, OverflowError) as e:
         raise APIError(str(e), 400) from None
-    app.ctx.limits = limits                    # handlers read the limits per request
-    app.ctx.tolerant = limits.tolerant_tool_calls
-    out = {"applied": {k: v for k, v in (body.get("live") or {}).items()}}
+    out = {"applied": live}
     if info is not None:
         try:
-            _write(info.config_file, saved)
+            _write(info.config_file, nxt)
         except OSError as e:
             raise APIError(f"cannot write {info.config_file}: {e.strerror or e}", 500, "server_error") from None
-        out.update(config_file=info.config_file, saved=_public(saved),
-                   restart_needed=bool(restart), command=f"infernix-serve --config {info.config_file}")
+        info.changed = changed
+        out.update(config_file=info.config_file, saved=_public(nxt), restart_needed=bool(restart),
+                   command=_command(info, limits))
+    app.ctx.limits = limits                    # handlers read the limits per request
+    app.ctx.tolerant = limits.tolerant_tool_calls
     return out
 
 
-__all__ = ["AdminInfo", "LIVE", "snapshot", "update"]
+__all__ = ["AdminInfo", "LIVE", "same_origin", "snapshot", "update"]

@@ -131,6 +131,9 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
 
     @app.post("/admin/config")
     async def admin_update(request):
+        why = admin.same_origin(request)
+        if why:
+            raise APIError(why, 403, "permission_error")
         try:
             body = json.loads(request.body or b"")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

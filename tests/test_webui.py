@@ -211,11 +211,21 @@ def test_configure_shows_the_server_and_changes_settings(page, keyed):
     assert "0.50 GiB = " in plan.stdout and "x 32 tokens" in plan.stdout and "max_num_seqs:       2" in plan.stdout
 
 
-def test_admin_config_refuses_bad_bodies(keyed):
+def test_admin_config_refuses_bad_bodies_and_other_sites(keyed):
     url, cfg = keyed
-    auth = {"Authorization": "Bearer s3cret-key"}
+    auth = {"Authorization": "Bearer s3cret-key", "Content-Type": "application/json"}
     before = cfg.read_text()
+    body = b'{"live": {"max-new-tokens": 1}}'
+    for headers, msg in (({"Content-Type": "text/plain"}, "application/json"),
+                         ({"Origin": "http://evil.example"}, "evil.example"),
+                         ({"Sec-Fetch-Site": "cross-site"}, "another site")):
+        r = httpx.post(url + "/admin/config", headers={**auth, **headers}, content=body)
+        assert r.status_code == 403 and msg in r.json()["error"]["message"], r.text
     for body, msg in ((b"[1, 2]", "JSON object"), (b"{oops", "not valid JSON"),
+                      (b'{"live": []}', "live must be an object"),
+                      (b'{"live": {"sampling": {"top_k": Infinity}}}', "top_k"),
+                      (b'{"restart": {"lossless": true, "dtype": "bfloat16"}}', "lossless"),
+                      (b'{"restart": {"served-model-name": ["a", "--port", "1"]}}', "plain values"),
                       (b'{"live": {"max-pending-requests": 0}}', "max-pending-requests"),
                       (b'{"live": {"model": "x"}}', "not a live setting"),
                       (b'{"live": {"sampling": {"temperature": -1}}}', "temperature"),
@@ -226,6 +236,22 @@ def test_admin_config_refuses_bad_bodies(keyed):
         assert r.status_code == 400 and msg in r.json()["error"]["message"], (body, r.text)
     assert cfg.read_text() == before
     assert httpx.get(url + "/health").json()["status"] == "ok"
+    assert httpx.get(url + "/admin/config", headers=auth).json()["live"]["max-new-tokens"] != 1
+
+
+def test_a_key_from_the_command_line_is_not_written(tmp_path):
+    """--api-key on the command line (or in the environment) stays out of the config file: the
+    restart command asks for it again. One from the config file stays there."""
+    from scripts import serve, serve_config
+    p = serve.build_parser()
+    a = p.parse_args(["--api-key=-k3y", "--port", "9000"])
+    info = serve._admin_info(p, serve_config.started(p, a), None)
+    assert "api-key" not in info.started and info.started["port"] == 9000
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"api-key": "-k3y"}))
+    args, path = serve_config.argv_with_config(p, ["--config", str(f)])
+    info = serve._admin_info(p, serve_config.started(p, p.parse_args(args)), path)
+    assert info.started["api-key"] == "-k3y"           # (a value that starts with '-' reads back too)
 
 
 def test_a_bad_config_file_is_a_one_line_error(tmp_path):

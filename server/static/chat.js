@@ -13,12 +13,20 @@ const nodes = new WeakMap();             // message -> its element (kept out of 
 function load() {
   try {
     const s = JSON.parse(localStorage.getItem(STORE));
-    if (s && Array.isArray(s.chats)) return s;
+    if (s && Array.isArray(s.chats)) {      // (entries that are not chats are dropped, not fatal)
+      s.chats = s.chats.filter(c => c && typeof c.id === "string" && Array.isArray(c.messages))
+        .map(c => ({...c, title: String(c.title || "chat"),
+                    messages: c.messages.filter(m => m && (m.role === "user" || m.role === "assistant"))}));
+      return s;
+    }
   } catch (e) { /* a damaged store starts afresh */ }
   return {chats: [], current: null};
 }
 
-function save() { localStorage.setItem(STORE, JSON.stringify(state)); }
+function save() {
+  try { localStorage.setItem(STORE, JSON.stringify(state)); setStatus(""); }
+  catch (e) { setStatus("local storage is full: delete some chats to keep new ones"); }
+}
 
 function current() {
   let c = state.chats.find(c => c.id === state.current);
@@ -159,40 +167,40 @@ async function send(text) {
     const reader = r.body.getReader();
     const dec = new TextDecoder();
     let buf = "";
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buf += dec.decode(value, {stream: true});
+    for (let done = false; !done;) {
+      const next = await reader.read();
+      done = next.done;
+      buf = (buf + (done ? dec.decode() + "\n\n" : dec.decode(next.value, {stream: true}))).replace(/\r\n|\r(?!$)/g, "\n");
       let i;
       while ((i = buf.indexOf("\n\n")) >= 0) {
         const event = buf.slice(0, i);
         buf = buf.slice(i + 2);
-        for (const line of event.split("\n")) {
-          if (!line.startsWith("data:")) continue;          // SSE comments: heartbeats
-          const data = line.slice(5).trim();
-          if (data === "[DONE]") continue;
-          const chunk = JSON.parse(data);
-          if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
-          if (chunk.usage) usage = chunk.usage;
-          for (const ch of chunk.choices || []) {
-            const d = ch.delta || {};
-            if (d.content || d.reasoning_content || d.tool_calls) { if (tFirst === null) tFirst = performance.now(); pieces++; }
-            if (d.content) msg.content += d.content;
-            if (d.reasoning_content) msg.reasoning += d.reasoning_content;
-            for (const tc of d.tool_calls || []) {
-              const slot = msg.tool_calls[tc.index] || (msg.tool_calls[tc.index] = {name: "", arguments: ""});
-              if (tc.function && tc.function.name) slot.name += tc.function.name;
-              if (tc.function && tc.function.arguments) slot.arguments += tc.function.arguments;
-            }
-            if (ch.finish_reason) finish = ch.finish_reason;
+        // an event's data lines, joined (SSE comments are heartbeats)
+        const data = event.split("\n").filter(l => l.startsWith("data:")).map(l => l.slice(5).replace(/^ /, "")).join("\n").trim();
+        if (!data || data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
+        if (chunk.usage) usage = chunk.usage;
+        for (const ch of chunk.choices || []) {
+          const d = ch.delta || {};
+          if (d.content || d.reasoning_content || d.tool_calls) { if (tFirst === null) tFirst = performance.now(); pieces++; }
+          if (d.content) msg.content += d.content;
+          if (d.reasoning_content) msg.reasoning += d.reasoning_content;
+          for (const tc of d.tool_calls || []) {
+            const slot = msg.tool_calls[tc.index] || (msg.tool_calls[tc.index] = {name: "", arguments: ""});
+            if (tc.function && tc.function.name) slot.name += tc.function.name;
+            if (tc.function && tc.function.arguments) slot.arguments += tc.function.arguments;
           }
-          redraw();
+          if (ch.finish_reason) finish = ch.finish_reason;
         }
+        redraw();
       }
     }
   } catch (e) {
     if (e.name === "AbortError") msg.stopped = true;
     else msg.error = String(e.message || e);
+  } finally {
+    controller.abort();                  // whatever ended the reply, the server stops generating it
   }
   const tEnd = performance.now();
   const tokens = usage ? usage.completion_tokens : pieces;

@@ -108,9 +108,16 @@ function parsed(input) {
 async function post(body, out) {
   out.textContent = "…";
   out.className = "result";
-  const r = await fetch("/admin/config", {method: "POST", headers: headers(), body: JSON.stringify(body)});
-  const res = await r.json();
-  if (!r.ok) { out.textContent = (res.error && res.error.message) || JSON.stringify(res); out.className = "result error"; return null; }
+  let r, res = null;
+  try {
+    r = await fetch("/admin/config", {method: "POST", headers: headers(), body: JSON.stringify(body)});
+    res = await r.json();
+  } catch (e) { /* unreachable, or an answer that is not JSON */ }
+  if (!r || !r.ok || !res) {
+    out.textContent = (res && res.error && res.error.message) || (r ? `${r.status} ${r.statusText}` : "server unreachable");
+    out.className = "result error";
+    return null;
+  }
   return res;
 }
 
@@ -138,7 +145,7 @@ $("restart-form").addEventListener("submit", async ev => {
   const res = await post({restart: changes}, $("restart-result"));
   if (!res) return;
   $("restart-result").textContent = `Saved to ${res.config_file}. Restart the server with: ${res.command}`;
-  filled = false;                                    // show what the file holds now
+  fillRestart({...restart, saved: res.saved});       // what the file holds now (the live form keeps its edits)
 });
 
 async function refresh() {

@@ -11,23 +11,29 @@ function safeUrl(u) {
   return /^https?:\/\//i.test(u) ? u : null;   // u is already escaped (no quotes left in it)
 }
 
+function emphasis(s) {
+  s = s.replace(/\*\*([^*]+)\*\*/g, "<strong>$1</strong>");
+  s = s.replace(/(^|[^*\w])\*([^*\n]+)\*(?!\w)/g, "$1<em>$2</em>");
+  return s.replace(/(^|\W)_([^_\n]+)_(?!\w)/g, "$1<em>$2</em>");
+}
+
 function inlineMd(text) {
-  // code spans are taken out first so that nothing inside them is formatted
+  // code spans are taken out first so that nothing inside them is formatted; links become
+  // placeholders while emphasis runs, so that it never reaches into an href
+  const links = [];
+  const hold = html => `\u0000${links.push(html) - 1}\u0000`;
   return text.split(/(`[^`\n]+`)/).map((part, i) => {
     if (i % 2) return "<code>" + escapeHtml(part.slice(1, -1)) + "</code>";
-    let s = escapeHtml(part);
+    let s = escapeHtml(part.replace(/\u0000/g, ""));
     s = s.replace(/!\[([^\]]*)\]\(([^)\s]+)\)/g, (m, alt, url) => {
       const u = safeUrl(url);
-      return u ? `<a href="${u}" target="_blank" rel="noopener noreferrer" class="image-link">[image: ${alt || u}]</a>` : m;
+      return u ? hold(`<a href="${u}" target="_blank" rel="noopener noreferrer" class="image-link">[image: ${alt || u}]</a>`) : m;
     });
     s = s.replace(/\[([^\]]+)\]\(([^)\s]+)\)/g, (m, label, url) => {
       const u = safeUrl(url);
-      return u ? `<a href="${u}" target="_blank" rel="noopener noreferrer">${label}</a>` : m;
+      return u ? hold(`<a href="${u}" target="_blank" rel="noopener noreferrer">${emphasis(label)}</a>`) : m;
     });
-    s = s.replace(/\*\*([^*]+)\*\*/g, "<strong>$1</strong>");
-    s = s.replace(/(^|[^*\w])\*([^*\n]+)\*(?!\w)/g, "$1<em>$2</em>");
-    s = s.replace(/(^|\W)_([^_\n]+)_(?!\w)/g, "$1<em>$2</em>");
-    return s;
+    return emphasis(s).replace(/\u0000(\d+)\u0000/g, (m, k) => links[+k]);
   }).join("");
 }
 
@@ -50,7 +56,10 @@ function renderMarkdown(src) {
     }
     const h = line.match(/^(#{1,6})\s+(.*)$/);
     const li = line.match(/^\s*(?:([-*+])|(\d+)[.)])\s+(.*)$/);
-    if (h) { flushPara(); flushList(); out.push(`<h${h[1].length + 2}>` + inlineMd(h[2]) + `</h${h[1].length + 2}>`); }
+    if (h) {                              // # -> h3 ... (the page's own headings come first)
+      const n = Math.min(6, h[1].length + 2);
+      flushPara(); flushList(); out.push(`<h${n}>` + inlineMd(h[2]) + `</h${n}>`);
+    }
     else if (li) {
       flushPara();
       const tag = li[1] ? "ul" : "ol";
