@@ -262,3 +262,46 @@ def test_a_bad_config_file_is_a_one_line_error(tmp_path):
         r = subprocess.run([sys.executable, "-m", "scripts.serve", "--config", str(f), "--plan"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def scripted_url(qwen3_tokenizer_dir, tmp_path_factory):
+    """The scripted server (tests/scripted_server.py: a real server whose engine replays the text a
+    message scripts) with Qwen3's template: replies with reasoning and tool calls, streamed."""
+    script_server = str(Path(__file__).with_name("scripted_server.py"))
+    yield from start_server(tmp_path_factory, str(qwen3_tokenizer_dir), cmd=(script_server,))
+
+
+def test_streamed_reasoning_folds_and_tool_calls_show(page, scripted_url):
+    page.goto(scripted_url + "/")
+    page.wait_for_function("document.getElementById('model-name').textContent !== '…'")
+    page.fill("#tools", "[oops")                                     # bad tools: said on the reply, nothing sent
+    ask(page, "hello", 10)
+    page.wait_for_selector(".msg.assistant .error")
+    assert "not valid JSON" in page.text_content(".msg.assistant .error")
+    page.fill("#tools", "")
+    page.click("#new-chat")
+    text = ('<think>\nThe user wants weather.\n</think>\n\nChecking **now**.<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call>')
+    ask(page, "SCRIPT:" + json.dumps({"text": text, "chars": True}), 200)
+    page.wait_for_selector(".msg.assistant .stats", timeout=60_000)
+    page.wait_for_selector("#send", state="visible", timeout=60_000)
+    assert page.eval_on_selector(".msg.assistant details.reasoning", "d => d.open") is False
+    assert page.text_content(".msg.assistant .reasoning-text").strip() == "The user wants weather."
+    assert page.text_content(".msg.assistant .content strong") == "now"
+    # no tools offered: the server leaves the call in the text, shown as text, not markup
+    assert "<tool_call>" in page.text_content(".msg.assistant .content")
+    assert page.eval_on_selector_all(".msg.assistant .content tool_call", "els => els.length") == 0
+    # with tools: the call streams as tool_calls deltas and shows as a block
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    page.fill("#tools", json.dumps(tools))
+    ask(page, "SCRIPT:" + json.dumps({"text": text, "chars": True}), 200)
+    page.wait_for_selector(".msg.assistant:nth-of-type(4) .tool-call", timeout=60_000)
+    page.wait_for_selector("#send", state="visible", timeout=60_000)
+    last = ".msg.assistant:nth-of-type(4)"
+    assert page.text_content(f"{last} .content").strip() == "Checking now."
+    assert page.text_content(f"{last} .tool-call .tool-name") == "tool call: get_weather"
+    assert json.loads(page.text_content(f"{last} .tool-call .tool-args")) == {"city": "Paris"}
+    assert "tool_calls" in page.text_content(f"{last} .stats")
+    shot(page, "webui-reasoning-tools")

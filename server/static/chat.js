@@ -128,6 +128,10 @@ function requestBody(chat) {
   const mt = parseInt($("max-tokens").value, 10), t = parseFloat($("temperature").value);
   if (mt > 0) body.max_tokens = mt;
   if (!Number.isNaN(t)) body.temperature = t;
+  const tools = $("tools").value.trim();        // (the server says what is wrong with them)
+  if (tools) {
+    try { body.tools = JSON.parse(tools); } catch (e) { throw new Error("the tools are not valid JSON: " + e.message); }
+  }
   return body;
 }
 
@@ -136,8 +140,10 @@ async function send(text) {
   if (!chat.messages.length) chat.title = text.slice(0, 40);
   chat.messages.push({role: "user", content: text});
   const msg = {role: "assistant", content: "", reasoning: "", tool_calls: []};
-  const body = requestBody(chat);
+  let body = null;
+  try { body = requestBody(chat); } catch (e) { msg.error = e.message; }
   chat.messages.push(msg);
+  if (!body) { save(); renderAll(); return; }
   save(); renderAll();
   const controller = new AbortController();
   inflight = {controller, msg};
