@@ -55,24 +55,32 @@ def apply_route(a) -> None:
     when none is given (not under --lossless: quantized KV is a lossy route)."""
     from infernix_jax.loader import stored_route
     lossless = getattr(a, "lossless", False)
-    if lossless and a.dtype not in (None, "float32"):
-        raise ValueError(f"--lossless computes in float32: drop --dtype {a.dtype}")
+    check_lossless(a)
     stored_dtype, a.stored_weights, stored_kv = stored_route(a.model)
     if getattr(a, "kv_dtype", None) == "model":      # asked for exact KV, over a checkpoint's default
         a.kv_dtype = ""
     if a.dtype is None:
         a.dtype = "float32" if lossless else (stored_dtype or "float32")
-    if lossless and getattr(a, "kv_dtype", None):
-        raise ValueError(f"--lossless keeps K and V in float32: drop --kv-dtype {a.kv_dtype}")
     if hasattr(a, "kv_dtype") and a.kv_dtype is None and not lossless:
         a.kv_dtype = stored_kv or None
     if not lossless:
         return
-    if getattr(a, "attn_impl", None) not in (None, "reference"):
-        raise ValueError(f"--lossless uses the reference attention: drop --attn-impl {a.attn_impl}")
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
     a.attn_impl = "reference"
+
+
+def check_lossless(a) -> None:
+    """--lossless against the flags it excludes (no side effects: /configure checks saved settings
+    with it too)."""
+    if not getattr(a, "lossless", False):
+        return
+    if a.dtype not in (None, "float32"):
+        raise ValueError(f"--lossless computes in float32: drop --dtype {a.dtype}")
+    if getattr(a, "kv_dtype", None) not in (None, "", "model"):
+        raise ValueError(f"--lossless keeps K and V in float32: drop --kv-dtype {a.kv_dtype}")
+    if getattr(a, "attn_impl", None) not in (None, "reference"):
+        raise ValueError(f"--lossless uses the reference attention: drop --attn-impl {a.attn_impl}")
 
 
 def add_kv_dtype_arg(p):

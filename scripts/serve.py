@@ -8,7 +8,8 @@ import os
 import sys
 
 from scripts import serve_config
-from scripts._common import add_engine_args, add_model_args, apply_route, describe_prefix_cache, engine_kwargs, run
+from scripts._common import (add_engine_args, add_model_args, apply_route, check_lossless, describe_prefix_cache,
+                             engine_kwargs, run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +68,7 @@ def main(argv=None) -> int:
         a = p.parse_args(args)
         started = serve_config.started(p, a)           # before apply_route settles derived values
         apply_route(a)
-        if not 0 < a.port < 65536:
-            raise ValueError(f"--port must be between 1 and 65535, got {a.port}")
+        _check_port(a)
         if a.plan:
             from infernix_jax.loader import DTYPES, load_config, planned_gguf_bytes
             from infernix_jax.engine.plan import make_plan
@@ -89,13 +89,8 @@ def main(argv=None) -> int:
             print(plan.describe())
             print(describe_prefix_cache(kw))
             return 0
-        from server.app import ServerLimits, create_app
-        limits = ServerLimits(api_key=a.api_key or os.environ.get("INFERNIX_API_KEY") or None,
-                              max_http_clients=a.max_http_clients, max_pending_requests=a.max_pending_requests,
-                              max_body_mb=a.max_body_mb, log_requests=a.log_requests,
-                              tolerant_tool_calls=a.tolerant_tool_calls, end_in_thinking=a.end_in_thinking,
-                              max_new_tokens=a.max_new_tokens)
-        limits.check()                       # before loading a model: a bad flag fails in a second
+        from server.app import create_app
+        limits = _limits(a)                  # checked before loading a model: a bad flag fails in a second
         override = _override(a.override_generation_config)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine
@@ -128,27 +123,37 @@ def main(argv=None) -> int:
     return run("infernix-serve", go)
 
 
+def _check_port(a) -> None:
+    if not 0 < a.port < 65536:
+        raise ValueError(f"--port must be between 1 and 65535, got {a.port}")
+
+
+def _limits(a):
+    """The server's limits from the command line, checked."""
+    from server.app import ServerLimits
+    limits = ServerLimits(api_key=a.api_key or os.environ.get("INFERNIX_API_KEY") or None,
+                          max_http_clients=a.max_http_clients, max_pending_requests=a.max_pending_requests,
+                          max_body_mb=a.max_body_mb, log_requests=a.log_requests,
+                          tolerant_tool_calls=a.tolerant_tool_calls, end_in_thinking=a.end_in_thinking,
+                          max_new_tokens=a.max_new_tokens)
+    limits.check()
+    return limits
+
+
 def _admin_info(p, started: dict, config_file: str | None):
     """What the /configure page may show and change of this command's options. A key given on the
     command line (not in the config file) is not written back: the restart command asks for it."""
     from server.admin import LIVE, AdminInfo
-    from server.app import ServerLimits
     in_file = serve_config.canonical(p, serve_config.read(config_file)) if config_file else {}
     if "api-key" not in in_file:
         started = {k: v for k, v in started.items() if k != "api-key"}
 
-    def validate(settings: dict) -> dict:
+    def validate(settings: dict) -> dict:            # the checks a start makes before loading
         ns = serve_config.parse_checked(p, settings)
-        engine_kwargs(ns)                                  # the engine's range checks
-        if not 0 < ns.port < 65536:
-            raise ValueError(f"port must be between 1 and 65535, got {ns.port}")
-        if ns.lossless and (ns.dtype not in (None, "float32") or ns.kv_dtype not in (None, "model")
-                            or ns.attn_impl not in (None, "reference")):
-            raise ValueError("lossless computes in float32 with the reference attention and exact KV: "
-                             "drop dtype, kv-dtype and attn-impl")
-        ServerLimits(max_http_clients=ns.max_http_clients, max_pending_requests=ns.max_pending_requests,
-                     max_body_mb=ns.max_body_mb, end_in_thinking=ns.end_in_thinking,
-                     max_new_tokens=ns.max_new_tokens).check()
+        engine_kwargs(ns)
+        _check_port(ns)
+        check_lossless(ns)
+        _limits(ns)
         return settings
     live = (*LIVE, "override-generation-config")
     return AdminInfo(config_file=config_file or serve_config.default_path(),

@@ -134,11 +134,7 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
         why = admin.same_origin(request)
         if why:
             raise APIError(why, 403, "permission_error")
-        try:
-            body = json.loads(request.body or b"")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}") from None
-        return json_response(admin.update(request.app, body))
+        return json_response(admin.update(request.app, _load_json(request)))
 
     @app.get("/health")
     async def health(request):
@@ -319,7 +315,8 @@ async def _collect_all(turns: list[Turn]):
     return results
 
 
-def _json_body(request):
+def _load_json(request):
+    """The request body as JSON, no deeper than MAX_DEPTH (APIError 400 otherwise)."""
     try:
         body = json.loads(request.body or b"")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -327,6 +324,11 @@ def _json_body(request):
     except RecursionError:
         raise APIError(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
     check_depth(body, "the request body")
+    return body
+
+
+def _json_body(request):
+    body = _load_json(request)
     request.ctx.body = body if isinstance(body, dict) else {}
     _check_model(request.app.ctx.limits.model_names, request.ctx.body.get("model"))
     return body
