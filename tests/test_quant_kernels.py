@@ -81,6 +81,25 @@ def test_unsupported_shapes_fall_back_to_the_reference():
         quant_matmul(x, kernel_args(q), "int8", q.shape, interpret=True)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_8bit_rows_take_the_kernel_xla_s_fused_gemm_or_dequantization(fmt):
+    """linear's three routes for per-channel 8-bit weights (layers.XLA_FUSED_ROWS): the Pallas
+    kernel for decode's rows, XLA's GEMM with the codes' conversion fused (no barrier, no kernel)
+    between, dequantizing first past it; each within bf16's tolerance of the reference."""
+    from infernix_jax.models import layers
+    q = quantize(weights(11, (192, 256)), fmt).replace(impl="pallas_interpret")
+    lo, hi = layers.XLA_FUSED_ROWS
+    for M, route in ((lo, "pallas_call"), (lo + 1, "fused"), (hi, "fused"), (hi + 1, "optimization_barrier")):
+        x = jax.random.normal(jax.random.PRNGKey(M), (M, 256), jnp.float32).astype(jnp.bfloat16)
+        text = str(jax.make_jaxpr(layers.linear)(x, q))
+        for r in ("pallas_call", "optimization_barrier"):
+            assert (r in text) == (r == route), (M, r)
+        out, ref = np.asarray(layers.linear(x, q), np.float32), np.asarray(reference(x, q))
+        assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) <= TOL[jnp.bfloat16], M
+    f32 = jax.random.normal(jax.random.PRNGKey(5), (lo + 1, 256), jnp.float32)    # the lossless route:
+    assert "pallas_call" in str(jax.make_jaxpr(layers.linear)(f32, q))            # the kernel's exact f32
+
+
 def test_an_engine_on_the_kernels_gives_the_reference_tokens(smollm):
     """A tiny quantized model decodes the same greedy tokens through the fused kernels (and the
     Pallas attention kernels, interpreted) as through the reference route."""

@@ -53,6 +53,15 @@ def apply_rope(x, cos, sin):
 # rows; about even at 256: docs/benchmarks.md).
 KERNEL_MAX_ROWS = 128
 
+# int8 and fp8 (one scale per output channel) in this range of rows: dot(x, codes in x's dtype) in
+# f32 times the scale, written so that XLA fuses the codes' conversion into its own GEMM (its
+# autotuned Triton emitter; nothing between the two). On the H200 it beat the Pallas kernel from 32
+# rows (qwen3-8b decode at batch 64: 1.23x) and dequantizing first up to 1024 rows; the kernel
+# stays faster up to 16 rows, dequantizing first at 4K (scripts/experiments/xla_fused_dequant.py,
+# docs/benchmarks.md). XLA fuses no blocked scales this way: the other formats keep the routes above.
+XLA_FUSED_ROWS = (16, 1024)          # (exclusive, inclusive)
+XLA_FUSED_FORMATS = ("int8", "fp8")
+
 
 def _after(w, x):
     """w, made to wait for x: the full-size matrix dequantized from w then exists only while its
@@ -67,6 +76,11 @@ def linear(x, w, b=None):
     the rows are few and the kernel takes its shape; else it is dequantized first."""
     if isinstance(w, QTensor):
         rows = math.prod(x.shape[:-1])
+        lo, hi = XLA_FUSED_ROWS
+        if w.fmt in XLA_FUSED_FORMATS and lo < rows <= hi and w.impl != "reference" and x.dtype != jnp.float32:
+            y = jnp.einsum("...i,oi->...o", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
+            y = (y * w.scale.reshape(-1)).astype(x.dtype)                  # [..., out]
+            return y if b is None else y + b
         if w.impl != "reference" and rows <= KERNEL_MAX_ROWS and qmm.unsupported(w.fmt, w.shape, x.dtype) is None:
             y = qmm.quant_matmul(x.reshape(-1, x.shape[-1]), qmm.kernel_args(w), w.fmt, w.shape,
                                  interpret=w.impl == "pallas_interpret")
