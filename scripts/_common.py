@@ -92,7 +92,27 @@ def add_kv_dtype_arg(p):
                         "checkpoint names another)")
 
 
+def add_parallel_args(p):
+    g = p.add_argument_group("several devices (JAX sharding)")
+    g.add_argument("--tensor-parallel", "--tp", dest="tensor_parallel", type=int, default=1, metavar="N",
+                   help="split attention heads, the MLP and the vocabulary over N devices (default %(default)s)")
+    g.add_argument("--expert-parallel", "--ep", dest="expert_parallel", type=int, default=1, metavar="M",
+                   help="split MoE experts over M groups of --tensor-parallel devices: N x M devices in all "
+                        "(default %(default)s)")
+
+
+def parallel_of(a):
+    """--tensor-parallel / --expert-parallel -> a sharding.Parallel over several devices, or None."""
+    from infernix_jax.sharding import Parallel
+    tp, ep = getattr(a, "tensor_parallel", 1), getattr(a, "expert_parallel", 1)
+    if tp < 1 or ep < 1:
+        raise ValueError(f"--tensor-parallel and --expert-parallel must be >= 1 (got {tp}, {ep})")
+    par = Parallel(tp, ep)
+    return par if par else None
+
+
 def add_engine_args(p):
+    add_parallel_args(p)
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", "--max-batch", dest="max_num_seqs", type=int, default=8,
                    help="sequences running at once (default %(default)s)")
@@ -175,4 +195,5 @@ def engine_kwargs(a) -> dict:
                 prefix_cache_file=a.prefix_cache_file, fair_turn_s=a.fair_turn_s, kv_dtype=a.kv_dtype or "",
                 memory_fraction=a.memory_fraction,
                 block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-                chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl)
+                chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl,
+                parallel=parallel_of(a))

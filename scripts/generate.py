@@ -12,7 +12,7 @@ import sys
 
 from tqdm import tqdm
 
-from scripts._common import add_kv_dtype_arg, add_model_args, apply_route, run
+from scripts._common import add_kv_dtype_arg, add_model_args, add_parallel_args, apply_route, parallel_of, run
 
 SAMPLING_FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
                    "seed": int, "stop": (str, list)}
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
+    add_parallel_args(p)
 
     def go():
         a = p.parse_args(argv)
@@ -68,11 +69,12 @@ def main(argv=None) -> int:
             raw_lines = [ln for ln in f.read().splitlines() if ln.strip()]
         from infernix_jax.engine import Engine, Request
         from infernix_jax.loader import load_model
-        model = load_model(a.model, dtype=a.dtype, weights=a.weights)
+        parallel = parallel_of(a)
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights, fuse=parallel is None)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* metadata)")
         engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len,
-                        attn_impl=getattr(a, "attn_impl", None), kv_dtype=a.kv_dtype or "")
+                        attn_impl=getattr(a, "attn_impl", None), kv_dtype=a.kv_dtype or "", parallel=parallel)
         items = []  # (line dict, Request | None, error)
         for n, ln in enumerate(raw_lines, 1):
             try:

@@ -82,11 +82,13 @@ def main(argv=None) -> int:
                              max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
                              kv_cache_gib=kw["kv_cache_gib"], memory_fraction=kw["memory_fraction"],
                              max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=fmt,
-                             kv_dtype=kw["kv_dtype"],
+                             kv_dtype=kw["kv_dtype"], parallel=kw["parallel"],
                              weights_bytes=planned_gguf_bytes(a.model, DTYPES[a.dtype]) if fmt == "gguf" else None)
             print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype}"
                   f"{', weights ' + fmt if fmt else ''})")
             print(plan.describe())
+            if fmt == "gguf" and kw["parallel"]:
+                print("(GGUF weights: the whole file's size, not one device's share)")
             print(describe_prefix_cache(kw))
             return 0
         from server.app import create_app
@@ -95,7 +97,12 @@ def main(argv=None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
-        model = load_model(a.model, dtype=a.dtype, weights=a.weights)
+        kw = engine_kwargs(a)
+        if kw["parallel"]:                   # enough devices? (before loading: a wrong count fails at once)
+            from infernix_jax.sharding import make_mesh
+            make_mesh(kw["parallel"])
+        # tensor parallelism splits q/k/v and gate/up each by heads / units: kept apart (sharding.py)
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights, fuse=kw["parallel"] is None)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* "
                              f"metadata); the server needs one")
@@ -104,7 +111,6 @@ def main(argv=None) -> int:
         model.name = next((n for n in names if n != "*"), model.name)
         _apply_generation_config(limits, model.generation_defaults if a.generation_config == "auto" else {},
                                  override)
-        kw = engine_kwargs(a)
         engine = Engine(model, **kw)
         print(engine.plan.describe(), file=sys.stderr)
         print(describe_prefix_cache(kw), file=sys.stderr)

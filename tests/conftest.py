@@ -6,6 +6,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# 8 CPU devices (the first is everyone's default): the sharding tests run meshes of 4 and 8 on them
+jax.config.update("jax_num_cpu_devices", 8)
+
 # fp32 equivalence tests mean fp32: on GPUs XLA would otherwise use TF32 for f32 matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 

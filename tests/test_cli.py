@@ -118,6 +118,20 @@ def test_pull_is_idempotent_and_uses_the_cache(smollm):
     assert path == smollm.path and hub.sha256_file(path) == hub.ALIASES["smollm2-135m-instruct"].file_sha256
 
 
+def test_serve_plans_and_checks_several_devices(smollm):
+    """--tensor-parallel: --plan gives one device's share (SmolLM2's 9 heads and 3 KV heads split 3
+    ways: a third of each KV block); more devices than there are is a one-line error before loading."""
+    r = run_cli("scripts.serve", "--plan", "--max-model-len", "2048", "--kv-cache-gib", "0.5", "--tensor-parallel", "3")
+    assert r.returncode == 0, r.stderr
+    assert "3 devices (tensor parallel 3 x expert parallel 1); the sizes below are per device" in r.stdout
+    assert "KV per token:       15.0 KiB" in r.stdout and "max tokens cached:  34944" in r.stdout, r.stdout
+    bad = run_cli("scripts.serve", "--tp", "2", "--ep", "2", "--port", "1")
+    assert bad.returncode == 2 and "needs 4 devices; 1 visible" in bad.stderr and "Traceback" not in bad.stderr, \
+        bad.stderr
+    zero = run_cli("scripts.serve", "--plan", "--tp", "0")
+    assert zero.returncode == 2 and "must be >= 1" in zero.stderr
+
+
 def test_serve_plan_prints_the_allocation_without_loading(smollm):
     r = run_cli("scripts.serve", "--plan", "--max-model-len", "2048", "--max-num-seqs", "4", "--kv-cache-gib", "0.5")
     assert r.returncode == 0, r.stderr

@@ -14,7 +14,9 @@ import traceback
 import jax
 import numpy as np
 
+from .. import sharding
 from ..loader import LoadedModel
+from ..sharding import Parallel
 from .block_manager import BlockManager, root_key
 from .host_tier import GiB, HostTier
 from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan, params_bytes
@@ -60,7 +62,7 @@ class Engine:
                  state_snapshots: int | None = None, prefix_cache: bool = True, prefix_cache_ram_gib: float = 0.0,
                  ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
                  ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
-                 kv_dtype: str = ""):
+                 kv_dtype: str = "", parallel: Parallel | None = None):
         from ..models.paged import check_kv_dtype
         check_kv_dtype(kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
         self.kv_dtype = kv_dtype
@@ -75,7 +77,8 @@ class Engine:
                                           kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
                                           max_num_batched_tokens=max_num_batched_tokens,
                                           weights_format=model.weights_format,
-                                          weights_bytes=params_bytes(model.params), kv_dtype=kv_dtype)
+                                          weights_bytes=self._weights_bytes(model, parallel), kv_dtype=kv_dtype,
+                                          parallel=parallel)
         # Prefix keys start from a root that names what the blocks' contents depend on.
         dtype_name = np.dtype(model.dtype).name
         weights = cache_file.weights_identity(model.path) or model.name      # random weights: the name
@@ -83,6 +86,8 @@ class Engine:
             weights += f"|{model.weights_format}"
         # the matmul precision too: --lossless (full f32) and TF32 f32 matmuls leave different KV
         precision = jax.config.jax_default_matmul_precision or "default"
+        if parallel:         # split products sum in another order: other KV bits
+            precision += f"|tp{parallel.tensor}ep{parallel.expert}"
         self.fingerprint = cache_file.fingerprint(f"{weights}|{precision}|{model.cfg}", dtype_name,
                                                   kv_dtype or dtype_name, block_size, jax.devices()[0].device_kind)
         self.bm = BlockManager(self.plan.num_blocks, block_size, root=root_key(json.dumps(self.fingerprint)),
@@ -112,7 +117,7 @@ class Engine:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
         impl = attn_impl or ("pallas" if on_gpu else "reference")
         self.runner = Runner(model, self.plan.num_blocks, block_size, impl, state_slots=max_num_seqs,
-                             max_context=self.max_context, kv_dtype=kv_dtype)
+                             max_context=self.max_context, kv_dtype=kv_dtype, parallel=parallel)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
@@ -120,6 +125,14 @@ class Engine:
         self._inbox: queue.Queue[Request | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    @staticmethod
+    def _weights_bytes(model: LoadedModel, parallel: Parallel | None) -> int:
+        """The bytes of the loaded weights one device holds."""
+        if not parallel:
+            return params_bytes(model.params)
+        return sharding.bytes_per_device(model.params, sharding.param_specs(model.params, parallel.sizes, model.cfg),
+                                         parallel.sizes)
 
     def _prefix_cache(self, on: bool, ram_gib: float, ram_resize: str, ssd_gib: float, ssd_dir: str | None,
                       ssd_per_hour: float, path: str | None) -> PrefixCache | None:

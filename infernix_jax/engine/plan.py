@@ -30,6 +30,7 @@ class MemoryPlan:
     state_bytes: int = 0          # hybrids: the state pool (conv + SSM states of max_num_seqs sequences)
     block_bytes: int = 0          # K and V bytes of one block (exact; kv_bytes_per_token may be fractional)
     kv_dtype: str = ""            # --kv-dtype ("": the model dtype)
+    parallel: object = None       # sharding.Parallel over several devices: every size is one device's
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -41,7 +42,9 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        par = self.parallel
         lines = [
+            *([f"devices:            {par.describe()}; the sizes below are per device"] if par else []),
             f"weights:            {gib(self.weights_bytes)}",
             f"KV per token:       {self.kv_bytes_per_token / 1024:.1f} KiB ({self.kv_dtype or 'model dtype'})",
             f"KV pool:            {gib(self.kv_pool_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens",
@@ -73,14 +76,19 @@ def params_bytes(params) -> int:
 def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int, block_size: int = 16,
               kv_cache_gib: float | None = None, memory_fraction: float = 0.9,
               max_num_batched_tokens: int = 2048, weights_format: str = "",
-              weights_bytes: int | None = None, kv_dtype: str = "") -> MemoryPlan:
-    """weights_bytes: the weights' real size where known (loaded params, or a GGUF file's blocks);
-    else planned from the config and weights_format."""
+              weights_bytes: int | None = None, kv_dtype: str = "", parallel=None) -> MemoryPlan:
+    """weights_bytes: the weights' real size where known (loaded params, or a GGUF file's blocks; one
+    device's share with parallel); else planned from the config and weights_format. parallel
+    (sharding.Parallel): several devices, each holding its share of the weights and of every KV
+    block (the KV heads split over tensor parallelism where they divide): every size is per device."""
     from ..quant.apply import planned_bytes
+    from ..sharding import units_of
     itemsize = jnp.dtype(dtype).itemsize
+    sizes = parallel.sizes if parallel else None
     weights = weights_bytes if weights_bytes is not None else \
-        planned_bytes(abstract_params(cfg, dtype), itemsize, weights_format)
-    block_bytes = kv_bytes_per_block(cfg, dtype, kv_dtype, block_size)
+        planned_bytes(abstract_params(cfg, dtype), itemsize, weights_format, sizes, units_of(cfg))
+    block_bytes = kv_bytes_per_block(cfg, dtype, kv_dtype, block_size) // (parallel.kv_split(cfg.num_kv_heads)
+                                                                          if parallel else 1)
     per_tok = block_bytes / block_size
     # activations of the largest step: a few [tokens, max(H, I, vocab)] buffers
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts * cfg.moe_intermediate_size)
@@ -107,4 +115,4 @@ def make_plan(cfg: ModelConfig, dtype, *, max_model_len: int, max_num_seqs: int,
         raise ValueError(f"the KV pool ({pool / GiB:.2f} GiB) cannot hold one sequence of max_model_len "
                          f"{max_model_len}: lower --max-model-len or raise --kv-cache-gib")
     return MemoryPlan(weights, per_tok, block_size, int(num_blocks), workspace, max_model_len, max_num_seqs, device,
-                      state, block_bytes, kv_dtype)
+                      state, block_bytes, kv_dtype, parallel if parallel else None)

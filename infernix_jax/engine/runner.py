@@ -9,6 +9,7 @@ import numpy as np
 from ..models.hybrid_paged import StateRows
 from ..models.paged import PagedKV, init_paged_kv
 from ..quant.apply import with_impl
+from .. import sharding
 from . import steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
 from .sequence import Sequence
@@ -29,9 +30,14 @@ _any = jax.jit(jnp.any)
 
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0,
-                 max_context: int = 0, kv_dtype: str = ""):
-        self.params = with_impl(model.params, attn_impl)     # quantized weights: the kernels of this impl
+                 max_context: int = 0, kv_dtype: str = "", parallel: sharding.Parallel | None = None):
+        # several devices: the weights and the KV pool split over a mesh (sharding.py), every step
+        # traced and run on it; None or one device: nothing changes
+        self.mesh = sharding.make_mesh(parallel) if parallel else None
         self.cfg = model.cfg
+        self.params = with_impl(model.params, attn_impl)     # quantized weights: the kernels of this impl
+        if self.mesh is not None:
+            self.params = sharding.shard_params(self.params, self.mesh, self.cfg)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.attn_impl = attn_impl
@@ -44,8 +50,9 @@ class Runner:
         self.reset_kv()
 
     def reset_kv(self) -> None:
-        self.kv: PagedKV = init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots,
-                                         self.kv_dtype)
+        self.kv: PagedKV = sharding.make_sharded(
+            lambda: init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots,
+                                  self.kv_dtype), sharding.kv_specs, self.mesh)
 
     def take_lost(self) -> set[int]:
         """--kv-dtype bf16p: the blocks a step could not pack losslessly (kv_bf16p), cleared as they
@@ -150,9 +157,10 @@ class Runner:
     def run(self, plan: list[tuple[Sequence, int]], num_steps: int) -> list[StepOutput]:
         seqs = [s for s, _ in plan]
         want_top = any(s.params.logprobs for s in seqs)
-        if num_steps > 1:
-            return self._decode(seqs, num_steps, want_top)
-        return self._mixed(plan, want_top)
+        with sharding.use(self.mesh):
+            if num_steps > 1:
+                return self._decode(seqs, num_steps, want_top)
+            return self._mixed(plan, want_top)
 
     def _mixed(self, plan, want_top: bool) -> list[StepOutput]:
         seqs = [s for s, _ in plan]
@@ -220,6 +228,11 @@ class Runner:
                max_prefill_rows: int | None = None) -> int:
         """Compile every bucketed shape the scheduler can produce under these limits, so that serving
         never compiles. Returns the number of shapes visited."""
+        with sharding.use(self.mesh):
+            return self._warmup(max_num_seqs, token_budget, max_blocks_per_seq, decode_steps, max_prefill_rows)
+
+    def _warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int,
+                max_prefill_rows: int | None) -> int:
         bucket = steps.bucket
         Ns = _pow2_range(16, bucket(token_budget))
         Bs = _pow2_range(1, bucket(max_num_seqs, minimum=1))

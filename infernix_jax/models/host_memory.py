@@ -11,7 +11,7 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 
 @functools.cache
@@ -25,9 +25,10 @@ def host_sharding(device) -> SingleDeviceSharding | None:
 
 
 def to_host(x):
-    """Start copying a device array (or a pytree of them) to host memory; returns at once."""
+    """Start copying a device array (or a pytree of them) to host memory; returns at once. An array
+    split over several devices (sharding.py) is gathered into numpy instead (waits)."""
     def one(a):
-        s = host_sharding(next(iter(a.devices())))
+        s = host_sharding(next(iter(a.devices()))) if len(a.devices()) == 1 else None
         if s is None:                     # a backend without host memory kinds: numpy (waits)
             return np.asarray(a)
         return jax.device_put(a, s)
@@ -40,6 +41,10 @@ def put_host(x, device=None):
     return x if s is None else jax.device_put(x, s)
 
 
-def to_device(x, device):
-    """Start copying host arrays (pinned JAX arrays or numpy) to `device`'s own memory."""
-    return jax.device_put(x, SingleDeviceSharding(device))
+def to_device(x, like):
+    """Start copying host arrays (pinned JAX arrays or numpy) to the device memory of the devices
+    that array `like` is on (several: a copy on each, for a step on the mesh to take)."""
+    devs = like.sharding.device_set
+    if len(devs) == 1:
+        return jax.device_put(x, SingleDeviceSharding(next(iter(devs))))
+    return jax.device_put(x, NamedSharding(like.sharding.mesh, PartitionSpec()))

@@ -15,6 +15,7 @@ from flax import struct
 from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 from ..config import ModelConfig
+from ..sharding import constrain
 from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
 from .llama import _write
 from .moe import moe_mlp
@@ -70,13 +71,15 @@ def gated_attention(cfg: ModelConfig, p, x, positions, attend):
     nH, nKV, hd, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
     qw = nH * hd * (2 if cfg.attn_output_gate else 1)                # q rows: each head's q, then its gate
     qg, k, v = projections(x, p, "wqkv", (qw, nKV * hd, nKV * hd))
-    qg, k, v = qg.reshape(B, T, nH, -1), k.reshape(B, T, nKV, hd), v.reshape(B, T, nKV, hd)
+    qg = constrain(qg.reshape(B, T, nH, -1), "batch", "seq", "heads", None)
+    k = constrain(k.reshape(B, T, nKV, hd), "batch", "seq", "kv_heads", None)
+    v = constrain(v.reshape(B, T, nKV, hd), "batch", "seq", "kv_heads", None)
     q, gate = (qg[..., :hd], qg[..., hd:]) if cfg.attn_output_gate else (qg, None)
     q, k = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps), rms_norm_1p(k, p["k_norm"], cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, rot, cfg.rope_theta)      # RoPE on the first `rot` dims only
     q = jnp.concatenate([apply_rope(q[..., :rot], cos, sin), q[..., rot:]], axis=-1)
     k = jnp.concatenate([apply_rope(k[..., :rot], cos, sin), k[..., rot:]], axis=-1)
-    o = attend(q, k, v)                                            # [B, T, nH, hd]
+    o = constrain(attend(q, k, v), "batch", "seq", "heads", None)  # [B, T, nH, hd]
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
     return linear(o.reshape(B, T, -1), p["wo"])

@@ -22,6 +22,7 @@ import numpy as np
 from flax import struct
 
 from ..config import ModelConfig
+from ..sharding import constrain
 from .hybrid import gated_attention, gdn_core, gdn_inputs, gdn_output, hybrid_mlp, rms_norm_1p
 from .paged import PagedKV, paged_attend
 from .host_memory import to_device, to_host
@@ -86,7 +87,7 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
     attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl)
     fns = _gdn_fns(attn_impl)
     eps = cfg.rms_norm_eps
-    x = params["embed"][tokens][None]                                  # [1, N, H]
+    x = constrain(params["embed"][tokens][None], "batch", "seq", "embed")   # [1, N, H]
     ia = il = 0
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
@@ -99,6 +100,7 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
                 ia += 1
             x = x + h
             x = x + hybrid_mlp(cfg, p, i, rms_norm_1p(x, p["mlp_norm"], eps), attn_impl)
+            x = constrain(x, "batch", "seq", "embed")
     x = rms_norm_1p(x, params["final_norm"], eps)
     return x[0], kv.replace(**pools(), conv=tuple(conv), ssm=tuple(ssm))
 
@@ -147,5 +149,5 @@ def restore_snapshot(kv: PagedKV, slot: int, snap: StateSnapshot) -> PagedKV:
     if len(snap.conv) != len(kv.conv) or any(a.shape != c.shape[1:] for a, c in zip(snap.conv, kv.conv)) \
             or any(a.shape != s.shape[1:] for a, s in zip(snap.ssm, kv.ssm)):
         raise ValueError("the snapshot does not match this model's state shapes")
-    conv, ssm = to_device((snap.conv, snap.ssm), next(iter(kv.conv[0].devices())))
+    conv, ssm = to_device((snap.conv, snap.ssm), kv.conv[0])
     return _scatter_slot(kv, jnp.int32(slot), conv, ssm)

@@ -128,8 +128,7 @@ def write_rows(kv: PagedKV, k, v, rows: list[int], dst: list[int]) -> PagedKV:
     assert n == _bucket(n) and len(rows) == len(dst) <= n, (n, len(rows))
     r, d = np.zeros((n,), np.int32), np.full((n,), P, np.int32)
     r[:len(rows)], d[:len(dst)] = rows, dst
-    dev = next(iter(kv.k[0].devices()))
-    k, v = to_device((k, v), dev)
+    k, v = to_device((k, v), kv.k[0])
     return _scatter(kv, k, v, r, d)
 
 

@@ -10,6 +10,7 @@ from pallas_kernels import quant_matmul as qmm
 
 from ..quant.formats import QTensor, dequantize
 from ..quant.packed import Packed12, unpack
+from ..sharding import constrain
 from .fuse import BIAS, FUSED, split_rows
 
 _ACT = {
@@ -106,7 +107,8 @@ def gated_mlp(x, p, act: str, prefix: str = "w"):
     """act(x @ gate^T) * (x @ up^T) @ down^T with p's {prefix}_gate, _up (or fused _gate_up), _down."""
     I = p[prefix + "_down"].shape[-1]
     g, u = projections(x, p, prefix + "_gate_up", (I, I))
-    return linear(activation(act)(g) * u, p[prefix + "_down"])
+    h = constrain(activation(act)(g) * u, *(None,) * (x.ndim - 1), "ffn")           # [..., I]
+    return linear(h, p[prefix + "_down"])
 
 
 def attention(q, k_cache, v_cache, q_pos, kv_len=None):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..config import ModelConfig
+from ..sharding import constrain
 from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
 from .moe import moe_mlp
 
@@ -41,12 +42,14 @@ def _attn_block(cfg: ModelConfig, p, x, cos, sin, attend):
     B, T, _ = x.shape
     nH, nKV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = projections(x, p, "wqkv", (nH * hd, nKV * hd, nKV * hd))
-    q, k, v = q.reshape(B, T, nH, hd), k.reshape(B, T, nKV, hd), v.reshape(B, T, nKV, hd)
+    q = constrain(q.reshape(B, T, nH, hd), "batch", "seq", "heads", None)
+    k = constrain(k.reshape(B, T, nKV, hd), "batch", "seq", "kv_heads", None)
+    v = constrain(v.reshape(B, T, nKV, hd), "batch", "seq", "kv_heads", None)
     if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = attend(q, k, v)                                                # [B, T, nH, hd]
+    o = constrain(attend(q, k, v), "batch", "seq", "heads", None)     # [B, T, nH, hd]
     return linear(o.reshape(B, T, -1), p["wo"], p.get("bo"))
 
 
@@ -55,7 +58,7 @@ def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer, impl: str
     attend_layer(i, q, k, v) stores layer i's new k/v and returns attention output; impl: the
     kernels' route for MoE experts ("pallas": the grouped expert kernel, see moe.py).
     Returns the final hidden states [B, T, H] (after the final norm)."""
-    x = params["embed"][tokens]                                       # [B, T, H]
+    x = constrain(params["embed"][tokens], "batch", "seq", "embed")   # [B, T, H]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
@@ -66,7 +69,7 @@ def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer, impl: str
                 y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, impl=impl)
             else:
                 y = gated_mlp(y, p, cfg.hidden_act)
-            x = x + y
+            x = constrain(x + y, "batch", "seq", "embed")
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
@@ -86,4 +89,5 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache):
 def logits_from_hidden(params, cfg: ModelConfig, h):
     """h [..., H] -> logits [..., V] in fp32."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+    return constrain(logits, *(None,) * (logits.ndim - 1), "vocab")         # vocab-parallel

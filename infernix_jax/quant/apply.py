@@ -66,12 +66,20 @@ def with_impl(params: dict, impl: str) -> dict:
                         is_leaf=lambda a: isinstance(a, QTensor))
 
 
-def planned_bytes(abstract: dict, itemsize: int, fmt: str = "") -> int:
-    """Device bytes of a model's weights (abstract shapes) with its projections in format fmt."""
-    total = sum(int(np.prod(a.shape)) * itemsize for a in jax.tree.leaves(abstract))
-    if fmt:
-        for p in abstract["layers"]:
-            for name in quantized_names(p, fmt):
-                n = int(np.prod(p[name].shape))
-                total += int(n * nominal_bits(fmt) / 8) - n * itemsize
-    return total
+def planned_bytes(abstract: dict, itemsize: int, fmt: str = "", sizes: dict | None = None,
+                  units: dict | None = None) -> int:
+    """Device bytes of a model's weights (abstract shapes) with its projections in format fmt; with
+    sizes (a mesh's axis sizes, sharding.Parallel.sizes; units: sharding.units_of(cfg)): one
+    device's share."""
+    from ..sharding import split_factor
+
+    def walk(tree, name: str = "", quant: frozenset = frozenset()) -> int:
+        if isinstance(tree, dict):
+            return sum(walk(v, k, quant) for k, v in tree.items())
+        if isinstance(tree, (list, tuple)):
+            return sum(walk(v, name, quant) for v in tree)
+        n = int(np.prod(tree.shape))
+        b = int(n * nominal_bits(fmt) / 8) if name in quant else n * itemsize
+        return b // split_factor(name, tuple(tree.shape), sizes, units)
+    layers = sum(walk(p, quant=quantized_names(p, fmt) if fmt else frozenset()) for p in abstract["layers"])
+    return layers + walk({k: v for k, v in abstract.items() if k != "layers"})
