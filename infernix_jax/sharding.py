@@ -109,13 +109,43 @@ def _sizes(mesh) -> dict:
     return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes") else mesh.devices.shape))
 
 
+def active() -> bool:
+    """Whether a step is being traced on a mesh of several devices (`use`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not (mesh is None or mesh.empty or math.prod(mesh.axis_sizes) == 1)
+
+
 def constrain(x, *axes):
     """x's sharding as its logical axes say, inside a step traced under a mesh (`use`); unchanged
     without one. The model code's only word on placement."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or math.prod(mesh.axis_sizes) == 1:
+    if not active():
         return x
-    return jax.lax.with_sharding_constraint(x, spec(axes, x.shape, _sizes(mesh)))
+    return jax.lax.with_sharding_constraint(x, spec(axes, x.shape, _sizes(jax.sharding.get_abstract_mesh())))
+
+
+def on_heads(fn):
+    """fn(q [N, nH, hd], k_pool, v_pool [nKV, ...], *replicated, **pool arrays and statics), a
+    kernel that XLA cannot split (a Pallas call: GSPMD would gather its whole operands onto every
+    device), run per device on its own heads under a mesh whose "tensor" axis divides both head
+    counts: query heads and the pools' KV heads (and their scales / escapes) split alike, so each
+    device's GQA groups stay whole. Otherwise fn itself."""
+    def call(q, k_pool, v_pool, *rest, **kw):
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = 1 if mesh is None or mesh.empty else _sizes(mesh).get(TENSOR, 1)
+        if tp == 1 or q.shape[1] % tp or k_pool.shape[0] % tp:
+            return fn(q, k_pool, v_pool, *rest, **kw)
+        arrays = {k: v for k, v in kw.items() if hasattr(v, "shape")}
+        static = {k: v for k, v in kw.items() if not hasattr(v, "shape")}
+        heads, kv = P(None, TENSOR), P(TENSOR)
+        local = lambda q, kp, vp, rest, arrays: fn(q, kp, vp, *rest, **arrays, **static)  # noqa: E731
+        return jax.shard_map(local, in_specs=(heads, kv, kv, P(), {k: kv for k in arrays}), out_specs=heads,
+                             check_vma=False)(q, k_pool, v_pool, rest, arrays)
+    return call
+
+
+def replicated(tree):
+    """Every array of tree whole on every device (a step's sampled tokens, which the host reads)."""
+    return jax.tree.map(lambda x: constrain(x, *(None,) * x.ndim), tree)
 
 
 @contextlib.contextmanager
@@ -234,5 +264,5 @@ def bytes_per_device(tree, specs, mesh) -> int:
     return total
 
 
-__all__ = ["EXPERT", "KV_AXES", "PARAM_AXES", "Parallel", "RULES", "TENSOR", "bytes_per_device", "constrain",
-           "kv_specs", "make_mesh", "make_sharded", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]
+__all__ = ["EXPERT", "KV_AXES", "PARAM_AXES", "Parallel", "RULES", "TENSOR", "active", "bytes_per_device", "constrain",
+           "kv_specs", "make_mesh", "make_sharded", "on_heads", "replicated", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]

@@ -99,6 +99,21 @@ def add_parallel_args(p):
     g.add_argument("--expert-parallel", "--ep", dest="expert_parallel", type=int, default=1, metavar="M",
                    help="split MoE experts over M groups of --tensor-parallel devices: N x M devices in all "
                         "(default %(default)s)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="several hosts: process 0's address, which every process joins (jax.distributed); "
+                        "process 0 serves, the others run its steps. Also INFERNIX_COORDINATOR")
+    g.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="several hosts: how many processes in all (INFERNIX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="several hosts: this process's rank, 0 to N-1 (INFERNIX_PROCESS_ID)")
+
+
+def init_distributed(a) -> bool:
+    """Join a multi-host run where the flags or environment ask for one (before any device is used):
+    whether there are several processes."""
+    from infernix_jax import distributed
+    return distributed.initialize(getattr(a, "coordinator", None), getattr(a, "num_processes", None),
+                                  getattr(a, "process_id", None))
 
 
 def parallel_of(a):

@@ -12,7 +12,8 @@ import sys
 
 from tqdm import tqdm
 
-from scripts._common import add_kv_dtype_arg, add_model_args, add_parallel_args, apply_route, parallel_of, run
+from scripts._common import (add_kv_dtype_arg, add_model_args, add_parallel_args, apply_route, init_distributed,
+                             parallel_of, run)
 
 SAMPLING_FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
                    "seed": int, "stop": (str, list)}
@@ -46,6 +47,47 @@ def _prompt_ids(line: dict, tok) -> list[int]:
     raise ValueError("each line needs a string 'prompt' or a list of 'messages'")
 
 
+def _generate_all(engine, model, raw_lines: list[str], a) -> tuple[int, int]:
+    """Every line through the engine, a batch at a time, written as it finishes -> (failed, total)."""
+    from infernix_jax.engine import Request
+    items = []  # (line dict, Request | None, error)
+    for n, ln in enumerate(raw_lines, 1):
+        try:
+            line = json.loads(ln)
+            if not isinstance(line, dict):
+                raise ValueError("the line is not a JSON object")
+        except (json.JSONDecodeError, ValueError) as e:
+            items.append(({"line": n}, None, f"line {n}: invalid JSON object: {e}"))
+            continue
+        try:
+            sp = _params(line, a)
+            ids = _prompt_ids(line, model.tokenizer)
+            engine.check_fits(len(ids), sp.max_tokens)
+            items.append((line, Request(prompt_ids=ids, params=sp), None))
+        except Exception as e:  # a bad line is reported in its output and the rest go on
+            items.append((line, None, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))
+    failed = 0
+    with open(a.output, "w", encoding="utf-8") as out, \
+            tqdm(total=len(items), desc="generating", unit="prompt", disable=None) as bar:
+        for start in range(0, len(items), a.batch_size):
+            chunk = items[start:start + a.batch_size]
+            reqs = [r for _, r, _ in chunk if r is not None]
+            results = iter(engine.generate(reqs) if reqs else [])
+            for line, req, err in chunk:
+                rec = dict(line)
+                if req is None:
+                    rec["error"] = err
+                    failed += 1
+                else:
+                    r = next(results)
+                    rec.update(text=r.text, prompt_tokens=r.prompt_tokens,
+                               completion_tokens=r.completion_tokens, finish_reason=r.finish_reason)
+                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.flush()
+            bar.update(len(chunk))
+    return failed, len(items)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,53 +107,28 @@ def main(argv=None) -> int:
     def go():
         a = p.parse_args(argv)
         apply_route(a)
-        with open(a.input, encoding="utf-8") as f:
-            raw_lines = [ln for ln in f.read().splitlines() if ln.strip()]
-        from infernix_jax.engine import Engine, Request
-        from infernix_jax.loader import load_model
+        from infernix_jax import distributed
         parallel = parallel_of(a)
+        several = init_distributed(a)
+        if not several or distributed.is_leader():         # (the other processes read no input)
+            with open(a.input, encoding="utf-8") as f:
+                raw_lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        from infernix_jax.engine import Engine
+        from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype, weights=a.weights, fuse=parallel is None)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* metadata)")
         engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len,
                         attn_impl=getattr(a, "attn_impl", None), kv_dtype=a.kv_dtype or "", parallel=parallel)
-        items = []  # (line dict, Request | None, error)
-        for n, ln in enumerate(raw_lines, 1):
-            try:
-                line = json.loads(ln)
-                if not isinstance(line, dict):
-                    raise ValueError("the line is not a JSON object")
-            except (json.JSONDecodeError, ValueError) as e:
-                items.append(({"line": n}, None, f"line {n}: invalid JSON object: {e}"))
-                continue
-            try:
-                sp = _params(line, a)
-                ids = _prompt_ids(line, model.tokenizer)
-                engine.check_fits(len(ids), sp.max_tokens)
-                items.append((line, Request(prompt_ids=ids, params=sp), None))
-            except Exception as e:  # a bad line is reported in its output and the rest go on
-                items.append((line, None, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))
-        failed = 0
-        with open(a.output, "w", encoding="utf-8") as out, \
-                tqdm(total=len(items), desc="generating", unit="prompt", disable=None) as bar:
-            for start in range(0, len(items), a.batch_size):
-                chunk = items[start:start + a.batch_size]
-                reqs = [r for _, r, _ in chunk if r is not None]
-                results = iter(engine.generate(reqs) if reqs else [])
-                for line, req, err in chunk:
-                    rec = dict(line)
-                    if req is None:
-                        rec["error"] = err
-                        failed += 1
-                    else:
-                        r = next(results)
-                        rec.update(text=r.text, prompt_tokens=r.prompt_tokens,
-                                   completion_tokens=r.completion_tokens, finish_reason=r.finish_reason)
-                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                out.flush()
-                bar.update(len(chunk))
+        if several and not distributed.is_leader():        # a follower runs process 0's steps, writes nothing
+            engine.follow()
+            return 0
+        try:
+            failed, total = _generate_all(engine, model, raw_lines, a)
+        finally:
+            engine.close()               # (several hosts: releases the other processes)
         if failed:
-            print(f"infernix-generate: {failed} of {len(items)} lines failed (see their 'error' field)",
+            print(f"infernix-generate: {failed} of {total} lines failed (see their 'error' field)",
                   file=sys.stderr)
         return 0
 

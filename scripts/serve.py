@@ -9,7 +9,7 @@ import sys
 
 from scripts import serve_config
 from scripts._common import (add_engine_args, add_model_args, apply_route, check_lossless, describe_prefix_cache,
-                             engine_kwargs, run)
+                             engine_kwargs, init_distributed, run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,11 +98,16 @@ def main(argv=None) -> int:
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
         kw = engine_kwargs(a)
+        several = init_distributed(a)        # several hosts: every process joins before using a device
         if kw["parallel"]:                   # enough devices? (before loading: a wrong count fails at once)
             from infernix_jax.sharding import make_mesh
             make_mesh(kw["parallel"])
         # tensor parallelism splits q/k/v and gate/up each by heads / units: kept apart (sharding.py)
         model = load_model(a.model, dtype=a.dtype, weights=a.weights, fuse=kw["parallel"] is None)
+        from infernix_jax import distributed
+        if several and not distributed.is_leader():        # a follower runs process 0's steps, serves nothing
+            Engine(model, **kw).follow()
+            return 0
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* "
                              f"metadata); the server needs one")

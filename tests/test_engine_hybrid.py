@@ -164,4 +164,7 @@ def test_scoring_a_hybrid_in_pieces_carries_its_state(hybrid, prompts):
     ids = prompts[4]                                   # 150 tokens: across blocks and pieces
     whole = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference")
     pieces = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference", chunk=64)
-    np.testing.assert_allclose(pieces, whole, rtol=1e-4, atol=2e-4)   # the chunked delta rule sums in another order
+    # the chunked delta rule sums in another order: a few log-probabilities of ~-9 move by ~2e-3 on
+    # some CPUs (AVX-512), a lost state by whole units
+    np.testing.assert_allclose(pieces, whole, rtol=1e-4, atol=3e-3)
+    assert np.abs(pieces - whole).mean() < 1e-5

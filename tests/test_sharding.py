@@ -83,6 +83,19 @@ def test_dense_greedy_tokens_match_one_device(dense, prompts, par):
     assert tokens(dense, prompts, par)[0] == one
 
 
+def test_attention_kernels_run_on_each_device_s_heads(dense, prompts, monkeypatch):
+    """The Pallas attention kernels (interpreted) on a mesh: each device runs them on its own query
+    and KV heads (sharding.on_heads), with the pool's shards as they are: the tokens of one device."""
+    from infernix_jax import sharding as sh
+    calls = []
+    real = jax.shard_map
+    monkeypatch.setattr(sh.jax, "shard_map", lambda *a, **k: calls.append(k["in_specs"]) or real(*a, **k))
+    one, _ = tokens(dense, prompts, attn_impl="pallas_interpret")
+    assert not calls
+    assert tokens(dense, prompts, Parallel(4), attn_impl="pallas_interpret")[0] == one
+    assert calls and calls[0][1] == P("tensor")           # the pools went in split by KV head
+
+
 def test_moe_greedy_tokens_match_one_device_with_expert_parallel(smollm, prompts):
     moe = tiny(smollm, seed=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                decoder_sparse_step=1)
@@ -114,6 +127,8 @@ def test_quantized_weights_split_array_by_array(dense, prompts):
         assert spec_of(wo.data) == P(None, "tensor"), fmt
         wq = eng.runner.params["layers"][0]["wq"]                      # column-parallel: codes and scales by row
         assert spec_of(wq.data) == P("tensor") and spec_of(wq.scale)[0] == "tensor", fmt
+        # the kernels' route: on the mesh, products go to XLA (which splits them), attention per device
+        assert tokens(q, prompts[:2], Parallel(4), attn_impl="pallas_interpret")[0] == one, fmt
 
 
 def test_plan_is_per_device(smollm):
@@ -140,3 +155,33 @@ def test_clear_errors(dense):
     fused = dataclasses.replace(dense, params=fuse_params(dense.params))
     with pytest.raises(ValueError, match="fuse=False"):
         Engine(fused, max_num_seqs=1, max_model_len=64, parallel=Parallel(2))
+
+
+def test_prefix_cache_tiers_and_snapshots_on_a_mesh(dense, smollm):
+    """Blocks split by KV head go to the RAM tier and come back into their shards (the pool keeps
+    its sharding), and a hybrid's state snapshot resumes a cached prefix: the same tokens as one
+    device without any cache."""
+    from infernix_jax.engine.host_tier import GiB
+    from infernix_jax.models.paged import kv_bytes_per_block
+    from test_engine_hybrid import tiny_hybrid
+    rng = np.random.default_rng(3)
+    system = list(map(int, rng.integers(10, 49000, 64)))
+    prompts = [system + list(map(int, rng.integers(10, 49000, 6))) for _ in range(2)]
+    per_block = kv_bytes_per_block(dense.cfg, dense.dtype, "", 16) // 4          # one device's share
+    eng = Engine(dense, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB, parallel=Parallel(4))
+    assert eng.bm.num_blocks == 10
+    want = tokens(dense, prompts, n=4)[0]
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert eng.generate([Request(prompts[0], p)])[0].token_ids == want[0]
+    for _ in range(3):                             # unrelated prompts push the system prompt off the device
+        eng.generate([Request(list(map(int, rng.integers(10, 49000, 100))), SamplingParams(max_tokens=2))])
+    got = eng.generate([Request(prompts[1], p)])[0]
+    assert got.token_ids == want[1] and got.cached_tokens == 64 and eng.cache.stats["ram"] >= 64
+    assert spec_of(eng.runner.kv.k[0]) == P("tensor")
+
+    hybrid = tiny_hybrid("qwen3_5", smollm.tokenizer, smollm.cfg.vocab_size)
+    want = tokens(hybrid, prompts, n=4, prefix_cache=False)[0]
+    eng = Engine(hybrid, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128, parallel=Parallel(4))
+    assert [eng.generate([Request(q, p)])[0] for q in prompts][1].cached_tokens == 64
+    assert [r.token_ids for r in eng.generate([Request(q, p) for q in prompts])] == want

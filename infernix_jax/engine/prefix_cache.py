@@ -308,9 +308,11 @@ class PrefixCache:
         if self.host is not None and meta.key not in self.host:
             self._evicted.append((b, meta))
 
-    def apply(self, kv):
+    def apply(self, kv, copy=None):
         """Do the queued device work; kv is donated: use the returned one. Nothing here waits for
-        the device: copies out and in are started and overlap the step that follows."""
+        the device: copies out and in are started and overlap the step that follows. copy(kv,
+        pairs): how blocks are copied on the device (default kv_blocks.copy_blocks; the engine's
+        runner, which several hosts replay)."""
         if self.host is not None and self._evicted:
             ev = self._evicted
             for k, v, lo, hi in kv_blocks.read_blocks(kv, [b for b, _ in ev]):
@@ -320,7 +322,7 @@ class PrefixCache:
             kv = self._upload(kv, self._uploads)
             self._uploads = []
         if self._copies:
-            kv = kv_blocks.copy_blocks(kv, self._copies)
+            kv = (copy or kv_blocks.copy_blocks)(kv, self._copies)
             for src, _ in self._copies:
                 self.bm.unref(src)
             self._copies = []

@@ -9,7 +9,7 @@ import numpy as np
 from ..models.hybrid_paged import StateRows
 from ..models.paged import PagedKV, init_paged_kv
 from ..quant.apply import with_impl
-from .. import sharding
+from .. import distributed, sharding
 from . import steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
 from .sequence import Sequence
@@ -47,9 +47,58 @@ class Runner:
         self.hybrid = bool(self.cfg.layer_types)
         self.state_slots = state_slots if self.hybrid else 0
         self.max_context = max_context or self.cfg.max_position_embeddings     # outputs end there (_ends)
-        self.reset_kv()
+        self._op_reset_kv()
+        # several hosts (distributed.py): the leader's device calls go to every other process, which
+        # replays them (follow); all built the same engine first
+        self.channel = distributed.Channel() if distributed.several() else None
+        if self.channel is not None:
+            self.channel.agree((num_blocks, block_size, self.state_slots, kv_dtype, attn_impl, parallel,
+                                str(self.cfg)), "engine")
+
+    # ---- device calls: each one runs here and, on several hosts, on every process ---------------
+    def _device(self, op: str, *args, **kw):
+        """Run device op `op` (method _op_<op>) with these host arguments; the leader of several
+        hosts sends it to the followers first (they replay it in order)."""
+        if self.channel is not None and distributed.is_leader():
+            self.channel.send((op, args, kw))
+        return getattr(self, "_op_" + op)(*args, **kw)
+
+    def follow(self) -> None:
+        """A follower's life: replay the leader's device calls until it releases us."""
+        while (msg := self.channel.receive()) is not None:
+            op, args, kw = msg
+            getattr(self, "_op_" + op)(*args, **kw)
+
+    def release(self) -> None:
+        """The leader's last word to the followers (their follow() returns). Idempotent."""
+        if self.channel is not None and distributed.is_leader():
+            self.channel.send(None)
+            self.channel = None
+
+    def _op_mixed(self, *args, **kw):
+        with sharding.use(self.mesh):
+            out, self.kv = steps.mixed_step(self.params, self.cfg, self.kv, *args, **kw)
+        return out
+
+    def _op_decode(self, *args, **kw):
+        with sharding.use(self.mesh):
+            out, self.kv = steps.decode_steps(self.params, self.cfg, self.kv, *args, **kw)
+        return out
+
+    def _op_copy_blocks(self, pairs):
+        from ..models.kv_blocks import copy_blocks
+        self.kv = copy_blocks(self.kv, pairs)
+        return self.kv
+
+    def copy_blocks(self, kv, pairs) -> PagedKV:
+        """The prefix cache's copy-on-write of blocks (kv is this runner's pool, donated)."""
+        assert kv is self.kv
+        return self._device("copy_blocks", pairs)
 
     def reset_kv(self) -> None:
+        self._device("reset_kv")
+
+    def _op_reset_kv(self) -> None:
         self.kv: PagedKV = sharding.make_sharded(
             lambda: init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots,
                                   self.kv_dtype), sharding.kv_specs, self.mesh)
@@ -157,10 +206,9 @@ class Runner:
     def run(self, plan: list[tuple[Sequence, int]], num_steps: int) -> list[StepOutput]:
         seqs = [s for s, _ in plan]
         want_top = any(s.params.logprobs for s in seqs)
-        with sharding.use(self.mesh):
-            if num_steps > 1:
-                return self._decode(seqs, num_steps, want_top)
-            return self._mixed(plan, want_top)
+        if num_steps > 1:
+            return self._decode(seqs, num_steps, want_top)
+        return self._mixed(plan, want_top)
 
     def _mixed(self, plan, want_top: bool) -> list[StepOutput]:
         seqs = [s for s, _ in plan]
@@ -186,11 +234,10 @@ class Runner:
             logits_idx[i] = off + n - 1
             off += n
         sampling, st = self._sampling(seqs, B)
-        out, self.kv = steps.mixed_step(self.params, self.cfg, self.kv, tokens, positions, slots,
-                                        self._block_table(seqs, B), kv_lens, cu_q, logits_idx, st, sampling,
-                                        attn_impl=self.attn_impl, want_top=want_top,
-                                        penalties=self._penalties(seqs, B), allowed=self._allowed(plan, B),
-                                        guard=self._guard(seqs, B), rows=self._state_rows(plan, B, N))
+        out = self._device("mixed", tokens, positions, slots, self._block_table(seqs, B), kv_lens, cu_q, logits_idx,
+                           st, sampling, attn_impl=self.attn_impl, want_top=want_top,
+                           penalties=self._penalties(seqs, B), allowed=self._allowed(plan, B),
+                           guard=self._guard(seqs, B), rows=self._state_rows(plan, B, N))
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
 
@@ -204,12 +251,10 @@ class Runner:
             positions[i] = len(s) - 1
             valid[i] = True
         sampling, st = self._sampling(seqs, B)
-        out, self.kv = steps.decode_steps(self.params, self.cfg, self.kv, tokens, positions,
-                                          self._block_table(seqs, B), valid, st, sampling, num_steps=k,
-                                          attn_impl=self.attn_impl, want_top=want_top,
-                                          penalties=self._penalties(seqs, B), guard=self._guard(seqs, B),
-                                          rows=self._state_rows([(s, 1) for s in seqs], B, B),
-                                          **self._ends(seqs, B))
+        out = self._device("decode", tokens, positions, self._block_table(seqs, B), valid, st, sampling,
+                           num_steps=k, attn_impl=self.attn_impl, want_top=want_top,
+                           penalties=self._penalties(seqs, B), guard=self._guard(seqs, B),
+                           rows=self._state_rows([(s, 1) for s in seqs], B, B), **self._ends(seqs, B))
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
         return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
 
@@ -228,11 +273,6 @@ class Runner:
                max_prefill_rows: int | None = None) -> int:
         """Compile every bucketed shape the scheduler can produce under these limits, so that serving
         never compiles. Returns the number of shapes visited."""
-        with sharding.use(self.mesh):
-            return self._warmup(max_num_seqs, token_budget, max_blocks_per_seq, decode_steps, max_prefill_rows)
-
-    def _warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int,
-                max_prefill_rows: int | None) -> int:
         bucket = steps.bucket
         Ns = _pow2_range(16, bucket(token_budget))
         Bs = _pow2_range(1, bucket(max_num_seqs, minimum=1))
@@ -246,15 +286,15 @@ class Runner:
                 bt = np.zeros((B, M), np.int32)
                 for N in (N for N in Ns if N >= B):
                     for rows in self._warmup_rows(B, N, max_prefill_rows or max_num_seqs):
-                        _, self.kv = steps.mixed_step(
-                            self.params, self.cfg, self.kv, np.zeros((N,), np.int32), np.zeros((N,), np.int32),
+                        self._device(
+                            "mixed", np.zeros((N,), np.int32), np.zeros((N,), np.int32),
                             np.full((N,), dropped, np.int32), bt, np.ones((B,), np.int32),
                             np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, sampling, attn_impl=self.attn_impl,
                             want_top=False, penalties=None, allowed=None, guard=self._guard([], B), rows=rows)
                         n += 1    # (the same keywords as run(): jit keys its cache on them)
                 if decode_steps > 1:
-                    _, self.kv = steps.decode_steps(
-                        self.params, self.cfg, self.kv, zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
+                    self._device(
+                        "decode", zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
                         sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False,
                         penalties=None, guard=self._guard([], B), rows=self._warmup_rows(B, B, 0)[0],
                         **self._ends([], B))

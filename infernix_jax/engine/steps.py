@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from ..sharding import replicated
 from ..models import forward
 from ..models.llama import KVCache, logits_from_hidden
 from ..models.paged import PagedKV, forward_paged
@@ -34,7 +35,7 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
     h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl, rows)
     logits = logits_from_hidden(params, cfg, h[logits_idx])                      # [B, V]
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
-    return sample(logits, steps, sampling, want_top, pen, allowed, guard), kv
+    return replicated(sample(logits, steps, sampling, want_top, pen, allowed, guard)), kv
 
 
 @partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "want_top"), donate_argnames=("kv",))
@@ -81,7 +82,7 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
         return (kv, out[0], pos + 1, st + 1, dense, guard, alive), out
 
     (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard, valid), jnp.arange(num_steps))
-    return outs, kv
+    return replicated(outs), kv
 
 
 @partial(jax.jit, static_argnames=("cfg", "attn_impl"))

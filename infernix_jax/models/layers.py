@@ -10,7 +10,7 @@ from pallas_kernels import quant_matmul as qmm
 
 from ..quant.formats import QTensor, dequantize
 from ..quant.packed import Packed12, unpack
-from ..sharding import constrain
+from ..sharding import active, constrain
 from .fuse import BIAS, FUSED, split_rows
 
 _ACT = {
@@ -78,11 +78,15 @@ def linear(x, w, b=None):
     if isinstance(w, QTensor):
         rows = math.prod(x.shape[:-1])
         lo, hi = XLA_FUSED_ROWS
-        if w.fmt in XLA_FUSED_FORMATS and lo < rows <= hi and w.impl != "reference" and x.dtype != jnp.float32:
+        if w.fmt in XLA_FUSED_FORMATS and (lo < rows or active()) and rows <= hi and w.impl != "reference" \
+                and x.dtype != jnp.float32:
             y = jnp.einsum("...i,oi->...o", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
             y = (y * w.scale.reshape(-1)).astype(x.dtype)                  # [..., out]
             return y if b is None else y + b
-        if w.impl != "reference" and rows <= KERNEL_MAX_ROWS and qmm.unsupported(w.fmt, w.shape, x.dtype) is None:
+        # (not on a mesh: XLA cannot split a Pallas call and would gather the whole weight onto
+        # every device; the XLA routes below are split like any product)
+        if w.impl != "reference" and rows <= KERNEL_MAX_ROWS and not active() \
+                and qmm.unsupported(w.fmt, w.shape, x.dtype) is None:
             y = qmm.quant_matmul(x.reshape(-1, x.shape[-1]), qmm.kernel_args(w), w.fmt, w.shape,
                                  interpret=w.impl == "pallas_interpret")
             y = y.reshape(*x.shape[:-1], w.shape[0])

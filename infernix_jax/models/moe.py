@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..sharding import active
 from .layers import activation, linear
 
 
@@ -97,7 +98,7 @@ def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str, gather: bool | Non
     xf = x.reshape(B * T, H)
     dt = x.dtype
     if impl in ("pallas", "pallas_interpret") and gather is None and grouped_route_ok(p, dt) \
-            and 2 * B * T * top_k >= E:
+            and 2 * B * T * top_k >= E and not active():          # (on a mesh: the jnp paths, which XLA splits)
         # the kernel from half as many pairs as experts: on the H200 (qwen3-30b-a3b's layer) it was
         # 1.65x faster than the gather path at 8 tokens (64 pairs, 128 experts) but 0.4x at one and
         # 0.8x at two, and 0.28x at one with fp8 experts (docs/benchmarks.md "Grouped expert kernel")

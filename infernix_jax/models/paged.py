@@ -13,6 +13,7 @@ from pallas_kernels import kv_quant as kq
 from pallas_kernels import paged_attention as pa
 
 from ..config import ModelConfig
+from ..sharding import on_heads
 from .llama import decoder
 
 
@@ -132,8 +133,9 @@ def _attention_fns(impl: str):
         from functools import partial
         from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk
         interpret = impl == "pallas_interpret"
-        return (partial(pdk.paged_decode_attention, interpret=interpret),
-                partial(rpk.ragged_paged_attention, interpret=interpret))
+        # on a mesh each device runs the kernels on its own heads (a Pallas call is not split by XLA)
+        return (on_heads(partial(pdk.paged_decode_attention, interpret=interpret)),
+                on_heads(partial(rpk.ragged_paged_attention, interpret=interpret)))
     return pa.paged_decode_attention_reference, pa.ragged_paged_attention_reference
 
 

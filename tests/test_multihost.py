@@ -1,0 +1,90 @@
+"""Several hosts on one machine: two processes of two CPU devices each join through jax.distributed
+(gloo between them) and run one model over a mesh of all four devices (infernix_jax/distributed.py).
+Process 0 schedules and writes (infernix-generate) or serves (infernix-serve); process 1 replays its
+steps. The output is the one process's on one device, and process 1 ends when process 0 does."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(devices: int) -> dict:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
+
+
+def spawn(mod: str, args: list, pid: int, port: int):
+    return subprocess.Popen([sys.executable, "-m", mod, *args, "--tp", "4", "--coordinator", f"127.0.0.1:{port}",
+                             "--num-processes", "2", "--process-id", str(pid)], env=env(2),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_generate_on_two_processes_matches_one_device(smollm, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "The capital of France is", "max_tokens": 8}\n'
+                   '{"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6}\n'
+                   '{"prompt": 5}\n')                          # a bad line: reported, the rest go on
+    one = subprocess.run([sys.executable, "-m", "scripts.generate", "--input", str(src), "--output",
+                          str(tmp_path / "one.jsonl")], env=env(1), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    port = free_port()
+    args = ["--input", str(src), "--output", str(tmp_path / "two.jsonl")]
+    follower = spawn("scripts.generate", args, 1, port)
+    leader = spawn("scripts.generate", args, 0, port)
+    try:
+        assert leader.wait(timeout=400) == 0, leader.stderr.read()
+        assert follower.wait(timeout=60) == 0, follower.stderr.read()
+    finally:
+        for p in (leader, follower):
+            p.kill()
+    want = [json.loads(ln) for ln in (tmp_path / "one.jsonl").read_text().splitlines()]
+    got = [json.loads(ln) for ln in (tmp_path / "two.jsonl").read_text().splitlines()]
+    assert got == want and want[0]["completion_tokens"] == 8 and "error" in want[2]
+
+
+def test_serve_on_two_processes(smollm):
+    port, http = free_port(), free_port()
+    args = ["--port", str(http), "--max-num-seqs", "2", "--max-model-len", "512"]
+    follower = spawn("scripts.serve", args, 1, port)
+    leader = spawn("scripts.serve", args, 0, port)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert leader.poll() is None, leader.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(1)
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=120,
+                       json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == " Paris.\n\nThe answer is:"
+        leader.send_signal(signal.SIGINT)                      # the leader stops; so does the follower
+        assert leader.wait(timeout=60) is not None
+        assert follower.wait(timeout=60) == 0, follower.stderr.read()
+    finally:
+        for p in (leader, follower):
+            p.kill()
+
+
+@pytest.mark.parametrize("flags, msg", [(["--coordinator", "127.0.0.1:1"], "need --coordinator HOST:PORT, --num-processes"),
+                                        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+                                         "--process-id must be in [0, 2)")])
+def test_bad_multihost_flags_are_one_line_errors(flags, msg, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "scripts.serve", "--port", "1", *flags], env=env(1),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
