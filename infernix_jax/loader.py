@@ -202,11 +202,14 @@ def planned_gguf_bytes(spec: str, dtype) -> int:
 
 
 def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, weights: str | None = None,
-               fuse: bool = True) -> LoadedModel:
+               fuse: bool = True, parallel=None) -> LoadedModel:
     """Raises ModelLoadError / ConfigError / TokenizerError with a one-line, actionable message.
     weights: a quant format (quant/formats.py) to quantize the projections to after loading, bf16p
     (lossless packing) or gguf (a .gguf file's projections kept in their own blocks). fuse: q/k/v
-    and gate/up in one matrix each where they fuse (models/fuse.py; the same output)."""
+    and gate/up in one matrix each where they fuse (models/fuse.py; the same output). parallel
+    (sharding.Parallel): an HF or GGUF checkpoint's tensors go straight into their shards on that
+    many devices (fuse is then off: tensor parallelism splits the parts apart); converted
+    checkpoints and GGUF blocks load on the first device and are split by the engine."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     _check_weights(weights, dtype)
@@ -220,7 +223,11 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
         stored = "gguf"
     else:
         cfg, fetch, tok, gen = source_of(path, with_tokenizer)
-        params = materialize(declare_params(cfg), fetch, jdt, desc=f"loading {path.name}")
+        place = None
+        if parallel:
+            from .sharding import make_mesh, placer
+            place = placer(make_mesh(parallel), cfg)
+        params = materialize(declare_params(cfg), fetch, jdt, desc=f"loading {path.name}", place=place)
     if weights and not stored:
         from .quant.apply import quantize_params
         params = quantize_params(params, weights, in_place=True)
@@ -228,7 +235,7 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
             plain, packed, esc = report(params)
             log.info("bf16p: projections %.2f GiB -> %.2f GiB packed (%d escapes), bit-identical output",
                      plain / 2**30, packed / 2**30, esc)
-    if fuse:       # after quantizing part by part, as infernix-convert stores them: the same model either way
+    if fuse and not parallel:       # after quantizing part by part, as infernix-convert stores them: the same model either way
         params = fuse_params(params, in_place=True)
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
                        tokenizer=tok, dtype=jdt, generation_defaults=gen, weights_format=weights or stored)

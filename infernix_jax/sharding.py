@@ -212,6 +212,12 @@ def _put(tree, specs, mesh: Mesh):
                         tree, specs, is_leaf=lambda x: x is None)
 
 
+def placer(mesh: Mesh, cfg):
+    """place(name, host array) -> the array in its shards on mesh (the loader's, tensor by tensor)."""
+    sizes, units = _sizes(mesh), units_of(cfg)
+    return lambda name, a: jax.device_put(a, NamedSharding(mesh, _leaf_specs(name, a, sizes, units)))
+
+
 def shard_params(params: dict, mesh: Mesh, cfg) -> dict:
     """params placed on the mesh as param_specs says."""
     return _put(params, param_specs(params, mesh, cfg), mesh)
@@ -265,4 +271,4 @@ def bytes_per_device(tree, specs, mesh) -> int:
 
 
 __all__ = ["EXPERT", "KV_AXES", "PARAM_AXES", "Parallel", "RULES", "TENSOR", "active", "bytes_per_device", "constrain",
-           "kv_specs", "make_mesh", "make_sharded", "on_heads", "replicated", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]
+           "kv_specs", "make_mesh", "make_sharded", "on_heads", "placer", "replicated", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 raw_lines = [ln for ln in f.read().splitlines() if ln.strip()]
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
-        model = load_model(a.model, dtype=a.dtype, weights=a.weights, fuse=parallel is None)
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights, parallel=parallel)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* metadata)")
         engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len,

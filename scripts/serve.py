@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             from infernix_jax.sharding import make_mesh
             make_mesh(kw["parallel"])
         # tensor parallelism splits q/k/v and gate/up each by heads / units: kept apart (sharding.py)
-        model = load_model(a.model, dtype=a.dtype, weights=a.weights, fuse=kw["parallel"] is None)
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights, parallel=kw["parallel"])
         from infernix_jax import distributed
         if several and not distributed.is_leader():        # a follower runs process 0's steps, serves nothing
             Engine(model, **kw).follow()

@@ -185,3 +185,16 @@ def test_prefix_cache_tiers_and_snapshots_on_a_mesh(dense, smollm):
     eng = Engine(hybrid, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128, parallel=Parallel(4))
     assert [eng.generate([Request(q, p)])[0] for q in prompts][1].cached_tokens == 64
     assert [r.token_ids for r in eng.generate([Request(q, p) for q in prompts])] == want
+
+
+def test_the_loader_puts_each_tensor_straight_into_its_shards(smollm, prompts):
+    """load_model(parallel=...): the real model's tensors split as they load (SmolLM2: 9 heads and 3
+    KV heads over 3 devices; the FFN and vocabulary too), not fused, the same tokens as one device."""
+    from infernix_jax.loader import load_model
+    split = load_model("smollm2-135m-instruct", parallel=Parallel(3))
+    layer = split.params["layers"][0]
+    assert "wqkv" not in layer and spec_of(layer["wq"]) == P("tensor") and spec_of(layer["wk"]) == P("tensor")
+    assert spec_of(layer["w_down"]) == P(None, "tensor") and spec_of(split.params["embed"]) == P("tensor")
+    assert len(layer["wq"].sharding.device_set) == 3
+    short = [p[:20] for p in prompts[:2]]
+    assert tokens(split, short, Parallel(3), n=4)[0] == tokens(smollm, short, n=4)[0]
