@@ -90,6 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--attn-impl", default=None, choices=["pallas", "reference"],
                    help="shapes: the kernels to time (default pallas); decode: the engine's (default: pallas on GPU)")
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--tensor-parallel", "--tp", dest="tensor_parallel", default="1", metavar="LIST",
+                   help="shapes: tensor-parallel sizes to compare, e.g. 1,2,4,8 (one host's devices): tok/s and "
+                        "scaling efficiency against the first")
+    p.add_argument("--expert-parallel", "--ep", dest="expert_parallel", type=int, default=1,
+                   help="shapes, with --tensor-parallel: expert-parallel groups (devices = TP x EP)")
     p.add_argument("--unfused", action="store_true", help="shapes: q/k/v and gate/up as separate products (the "
                                                           "loader fuses them: models/fuse.py), to measure the fusion")
     p.add_argument("--out", default="bench-out")
@@ -161,6 +166,11 @@ def main(argv=None) -> int:
             if a.shape not in bench_shapes.PRESETS:
                 raise ValueError(f"unknown shape {a.shape!r}; known: {', '.join(bench_shapes.PRESETS)}")
             ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+            if a.tensor_parallel != "1" or a.expert_parallel != 1:        # the same steps at several TP sizes
+                bench_shapes.scaling(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens),
+                                     a.attn_impl or "pallas", a.decode_steps, ints(a.tensor_parallel),
+                                     a.expert_parallel, a.weights, a.kv_dtype or "")
+                return 0
             bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
                              ints(a.torch_batches), a.attn_impl or "pallas", a.decode_steps, a.tune, a.weights,
                              a.kv_dtype or "", fuse=not a.unfused)

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from infernix_jax import sharding
 from infernix_jax.config import PRESETS
 from infernix_jax.engine import steps
 from infernix_jax.engine.sampler import SamplingArrays
@@ -28,6 +29,7 @@ from infernix_jax.engine.plan import params_bytes
 from infernix_jax.models.fuse import fuse_params
 from infernix_jax.models.params import init_params
 from infernix_jax.quant import WEIGHT_FORMATS
+from infernix_jax.sharding import Parallel
 
 GiB = 1 << 30
 
@@ -101,10 +103,15 @@ def gguf_blocks(params: dict, fmt: str) -> dict:
 
 class Bench:
     def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas",
-                 weights: str | None = None, kv_dtype: str = "", fuse: bool = True):
+                 weights: str | None = None, kv_dtype: str = "", fuse: bool = True, parallel: Parallel | None = None):
         self.shape, self.cfg = shape, PRESETS[shape]
         self.suffix = (f"-{weights}" if weights else "") + (f"-kv{kv_dtype}" if kv_dtype else "") \
-            + ("" if fuse else "-unfused")
+            + ("" if fuse else "-unfused") + (f"-tp{parallel.tensor}ep{parallel.expert}" if parallel else "")
+        # several devices (sharding.py): the weights and pools split over a mesh, every step run on it;
+        # sizes and the roofline below are one device's
+        self.parallel = parallel if parallel else None
+        self.mesh = sharding.make_mesh(parallel) if self.parallel else None
+        fuse = fuse and self.mesh is None
         self.kv_dtype = kv_dtype
         self.out = out
         self.bs, self.k, self.impl = block_size, decode_steps, impl
@@ -120,12 +127,20 @@ class Bench:
                                     if weights in WEIGHT_FORMATS else gguf_blocks(self.params, weights), impl)
         if fuse:                 # as load_model does (models/fuse.py); --unfused: one product per part
             self.params = fuse_params(self.params)
-        self.weights_bytes = params_bytes(self.params)
-        self.per_tok = kv_bytes_per_token(self.cfg, self.dtype, kv_dtype, block_size)
+        if self.mesh is not None:
+            self.params = sharding.shard_params(self.params, self.mesh, self.cfg)
+            self.weights_bytes = sharding.bytes_per_device(
+                self.params, sharding.param_specs(self.params, self.mesh, self.cfg), self.mesh)
+        else:
+            self.weights_bytes = params_bytes(self.params)
+        self.per_tok = kv_bytes_per_token(self.cfg, self.dtype, kv_dtype, block_size) \
+            / (self.parallel.kv_split(self.cfg.num_kv_heads) if self.parallel else 1)
         self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state
         self.bw = copy_bandwidth()
         self.flops = matmul_flops()
         self.results = {"shape": shape, "weights": weights or "bf16", "kv_dtype": kv_dtype or "bf16", "fused": fuse,
+                        "tensor_parallel": parallel.tensor if parallel else 1,
+                        "expert_parallel": parallel.expert if parallel else 1,
                         "kv_bytes_per_token": self.per_tok, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "copy_GBps": self.bw / 1e9, "matmul_TFLOPs": self.flops / 1e12, "weights_GiB": self.weights_bytes / GiB, "decode": [],
                         "prefill": [], "attention": [], "torch": []}
@@ -152,7 +167,8 @@ class Bench:
         M = -(-(ctx + self.k) // self.bs)
         if B * M * self.bs * self.per_tok > kv_budget_gib * GiB:
             return self.emit("decode", {"batch": B, "context": ctx, "skipped": "KV does not fit"})
-        kv = init_paged_kv(self.cfg, B * M + 1, self.bs, self.dtype, state_slots=B, kv_dtype=self.kv_dtype)
+        kv = sharding.make_sharded(lambda: init_paged_kv(self.cfg, B * M + 1, self.bs, self.dtype, state_slots=B,
+                                                         kv_dtype=self.kv_dtype), sharding.kv_specs, self.mesh)
         rows = StateRows(jnp.arange(B, dtype=jnp.int32), jnp.arange(B, dtype=jnp.int32), jnp.zeros((B,), bool)) \
             if self.cfg.layer_types else None
         bt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
@@ -164,8 +180,10 @@ class Bench:
         state = {"kv": kv}
 
         def call():
-            out, state["kv"] = steps.decode_steps(self.params, self.cfg, state["kv"], tok, pos, bt, valid, st, samp,
-                                                  num_steps=self.k, attn_impl=self.impl, want_top=False, rows=rows)
+            with sharding.use(self.mesh):
+                out, state["kv"] = steps.decode_steps(self.params, self.cfg, state["kv"], tok, pos, bt, valid, st,
+                                                      samp, num_steps=self.k, attn_impl=self.impl, want_top=False,
+                                                      rows=rows)
             out[0].block_until_ready()
         t0 = time.perf_counter()
         call()
@@ -181,7 +199,9 @@ class Bench:
         """One n-token prompt, fed as the engine feeds it: chunks of at most `chunk` tokens, each
         step attending to the KV (and, in hybrids, continuing the state) of the ones before."""
         M = -(-n // self.bs)
-        state = {"kv": init_paged_kv(self.cfg, M + 1, self.bs, self.dtype, state_slots=1, kv_dtype=self.kv_dtype)}
+        state = {"kv": sharding.make_sharded(lambda: init_paged_kv(self.cfg, M + 1, self.bs, self.dtype, state_slots=1,
+                                                                   kv_dtype=self.kv_dtype), sharding.kv_specs,
+                                             self.mesh)}
         i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
         calls = []
         for a in range(0, n, chunk):
@@ -194,9 +214,10 @@ class Bench:
             calls.append((args, rows))
 
         def call():
-            for args, rows in calls:
-                out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, attn_impl=self.impl,
-                                                    want_top=False, rows=rows)
+            with sharding.use(self.mesh):
+                for args, rows in calls:
+                    out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, attn_impl=self.impl,
+                                                        want_top=False, rows=rows)
             out[0].block_until_ready()
         sec = timed(call, reps)
         self.emit("prefill", {"tokens": n, "chunk": min(chunk, n), "tok_s": round(n / sec, 1),
@@ -421,6 +442,40 @@ def quantized_pools(kp, vp, kv_dtype: str):
     return (out[0][0], out[1][0]), dict(k_scale=out[0][1], v_scale=out[1][1], fmts=fmts)
 
 
+def scaling(shape: str, out: str, batches, contexts, prefills, impl: str, decode_steps: int, tps: list[int],
+            expert_parallel: int = 1, weights: str | None = None, kv_dtype: str = "") -> list[dict]:
+    """The same decode and prefill at each tensor-parallel size in tps (on one host's devices): tok/s
+    and the scaling efficiency against the first size, speed-up / (devices / first's devices).
+    Printed as JSON lines and written to OUT/scaling-<shape>.json."""
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    rows, base = [], {}
+    for tp in tps:
+        par = Parallel(tp, expert_parallel)
+        b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights, kv_dtype=kv_dtype,
+                  parallel=par if par else None)
+        for ctx in contexts:
+            for B in batches:
+                b.decode(B, ctx)
+        for n in prefills:
+            b.prefill(n)
+        for r in b.results["decode"] + b.results["prefill"]:
+            if "tok_s" not in r:
+                continue
+            key = ("decode", r["batch"], r["context"]) if "batch" in r else ("prefill", r["tokens"])
+            base.setdefault(key, (r["tok_s"], par.devices))
+            t0, d0 = base[key]
+            row = {"shape": shape, "tensor_parallel": tp, "expert_parallel": expert_parallel, "kind": key[0],
+                   **({"batch": key[1], "context": key[2]} if key[0] == "decode" else {"tokens": key[1]}),
+                   "tok_s": r["tok_s"], "speedup": round(r["tok_s"] / t0, 3),
+                   "efficiency": round(r["tok_s"] / t0 / (par.devices / d0), 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (outdir / f"scaling-{shape}.json").write_text(json.dumps(rows, indent=1))
+        del b
+    return rows
+
+
 def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torch_batches, impl: str,
         decode_steps: int, tune: bool = False, weights: str | None = None, kv_dtype: str = "",
         fuse: bool = True) -> dict:
@@ -447,5 +502,5 @@ def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torc
     return b.results
 
 
-__all__ = ["run", "PRESETS"]
+__all__ = ["run", "scaling", "PRESETS"]
 

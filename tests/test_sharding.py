@@ -198,3 +198,17 @@ def test_the_loader_puts_each_tensor_straight_into_its_shards(smollm, prompts):
     assert len(layer["wq"].sharding.device_set) == 3
     short = [p[:20] for p in prompts[:2]]
     assert tokens(split, short, Parallel(3), n=4)[0] == tokens(smollm, short, n=4)[0]
+
+
+def test_the_scaling_bench_runs_each_tensor_parallel_size(tmp_path, monkeypatch):
+    """`infernix-bench shapes --tp 1,2` (here on CPU devices, where the numbers mean nothing): each
+    size decodes and prefills, and its efficiency is reported against the first."""
+    from scripts import bench_shapes
+    monkeypatch.setattr(bench_shapes, "copy_bandwidth", lambda: 1e11)     # (the roofline's inputs: slow on
+    monkeypatch.setattr(bench_shapes, "matmul_flops", lambda: 1e12)       # a CPU, unused here)
+    rows = bench_shapes.scaling("smollm2-135m", str(tmp_path), [2], [32], [64], "reference", 2, [1, 2])
+    assert [(r["tensor_parallel"], r["kind"]) for r in rows] == [(1, "decode"), (1, "prefill"), (2, "decode"),
+                                                                  (2, "prefill")]
+    assert all(r["tok_s"] > 0 for r in rows) and rows[0]["efficiency"] == 1.0
+    assert rows[2]["efficiency"] == round(rows[2]["tok_s"] / rows[0]["tok_s"] / 2, 3)
+    assert (tmp_path / "scaling-smollm2-135m.json").exists()
