@@ -219,8 +219,55 @@ def placer(mesh: Mesh, cfg):
 
 
 def shard_params(params: dict, mesh: Mesh, cfg) -> dict:
-    """params placed on the mesh as param_specs says."""
-    return _put(params, param_specs(params, mesh, cfg), mesh)
+    """params placed on the mesh as param_specs says; quantized weights learn how they are split
+    (QTensor.split), for split_product."""
+    specs = param_specs(params, mesh, cfg)
+    return _annotate(_put(params, specs, mesh), specs)
+
+
+def _annotate(params, specs):
+    from .quant.formats import QTensor
+
+    def one(leaf, s):
+        if not isinstance(leaf, QTensor) or len(leaf.shape) != 2:
+            return leaf
+        want = tuple(s.data) + (None,) * (2 - len(s.data))
+        alike = all(tuple(p) + (None,) * (2 - len(p)) == _array_split(a, want)
+                    for a, p in zip(leaf.arrays, s.arrays) if a.ndim == 2)
+        return leaf.replace(split=want if alike and any(want) else ())
+    return jax.tree.map(one, params, specs, is_leaf=lambda x: isinstance(x, QTensor))
+
+
+def _array_split(a, split: tuple) -> tuple:
+    """How a 2-D array of a weight split as `split` is split: alike, except a dimension of one (a
+    scale per output row, for a weight split along its inputs), which stays whole."""
+    return tuple(ax if a.shape[i] > 1 else None for i, ax in enumerate(split))
+
+
+def local_shape(w) -> tuple:
+    """The [N, K] of one device's shard of a quantized weight split as w.split (on the mesh a step
+    is traced on; w.shape where it is whole)."""
+    if not w.split or not active():
+        return tuple(w.shape)
+    sizes = _sizes(jax.sharding.get_abstract_mesh())
+    return tuple(d // sizes[ax] if ax else d for d, ax in zip(w.shape, w.split))
+
+
+def split_product(fn, x, w):
+    """fn(x [M, K], w) -> [M, N] for a quantized [N, K] weight split over one mesh axis (w.split),
+    run per device on its shard (a Pallas kernel, which XLA cannot split): split by output rows
+    (column-parallel), each device makes its N / n outputs from the whole x; split along K (row-
+    parallel), each multiplies its K / n inputs and the partial products are summed (psum)."""
+    rows_ax, cols_ax = w.split
+    ax = rows_ax or cols_ax
+    local = local_shape(w)
+    wspec = jax.tree.map(lambda a: P(*_array_split(a, w.split)) if a.ndim == 2 else P(), w)
+
+    def body(x, w):
+        y = fn(x, w.replace(shape=local, split=()))
+        return y if rows_ax else jax.lax.psum(y, ax)
+    x_spec, out_spec = (P(), P(None, ax)) if rows_ax else (P(None, ax), P())
+    return jax.shard_map(body, in_specs=(x_spec, wspec), out_specs=out_spec, check_vma=False)(x, w)
 
 
 def kv_specs(kv, mesh: Mesh):
@@ -271,4 +318,4 @@ def bytes_per_device(tree, specs, mesh) -> int:
 
 
 __all__ = ["EXPERT", "KV_AXES", "PARAM_AXES", "Parallel", "RULES", "TENSOR", "active", "bytes_per_device", "constrain",
-           "kv_specs", "make_mesh", "make_sharded", "on_heads", "placer", "replicated", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]
+           "kv_specs", "make_mesh", "make_sharded", "on_heads", "placer", "local_shape", "replicated", "split_product", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]

@@ -116,9 +116,16 @@ def test_hybrid_greedy_tokens_match_one_device(smollm, prompts):
         assert tokens(model, prompts, par)[0] == one, par
 
 
-def test_quantized_weights_split_array_by_array(dense, prompts):
+def test_quantized_weights_split_array_by_array(dense, prompts, monkeypatch):
+    """Quantized weights split with all their arrays (codes, scales, zero points); on the mesh the
+    dequantizing kernel (interpreted) runs on each device's shard: column-parallel q/k/v and gate/up,
+    row-parallel o and down (partial products summed); the tokens of one device."""
+    from infernix_jax import sharding as sh
     from infernix_jax.quant.apply import quantize_params
-    for fmt in ("int8", "int4"):
+    calls = []
+    real = jax.shard_map
+    monkeypatch.setattr(sh.jax, "shard_map", lambda *a, **k: calls.append(k["out_specs"]) or real(*a, **k))
+    for fmt in ("int8", "int4", "nvfp4"):
         q = dataclasses.replace(dense, params=quantize_params(dense.params, fmt, progress=False), weights_format=fmt)
         one, _ = tokens(q, prompts[:2])
         got, eng = tokens(q, prompts[:2], Parallel(4))
@@ -127,8 +134,10 @@ def test_quantized_weights_split_array_by_array(dense, prompts):
         assert spec_of(wo.data) == P(None, "tensor"), fmt
         wq = eng.runner.params["layers"][0]["wq"]                      # column-parallel: codes and scales by row
         assert spec_of(wq.data) == P("tensor") and spec_of(wq.scale)[0] == "tensor", fmt
-        # the kernels' route: on the mesh, products go to XLA (which splits them), attention per device
+        assert wq.split == ("tensor", None) and wo.split == (None, "tensor"), fmt
+        calls.clear()
         assert tokens(q, prompts[:2], Parallel(4), attn_impl="pallas_interpret")[0] == one, fmt
+        assert P(None, "tensor") in calls and P() in calls, fmt       # column- and row-parallel products
 
 
 def test_plan_is_per_device(smollm):

@@ -10,7 +10,7 @@ from pallas_kernels import quant_matmul as qmm
 
 from ..quant.formats import QTensor, dequantize
 from ..quant.packed import Packed12, unpack
-from ..sharding import active, constrain
+from ..sharding import active, constrain, local_shape, split_product
 from .fuse import BIAS, FUSED, split_rows
 
 _ACT = {
@@ -78,17 +78,21 @@ def linear(x, w, b=None):
     if isinstance(w, QTensor):
         rows = math.prod(x.shape[:-1])
         lo, hi = XLA_FUSED_ROWS
-        if w.fmt in XLA_FUSED_FORMATS and (lo < rows or active()) and rows <= hi and w.impl != "reference" \
-                and x.dtype != jnp.float32:
+        # on a mesh the kernel runs on each device's shard (split_product) where the weight is split
+        # alike in all its arrays; else XLA's routes, which XLA splits like any product (a Pallas call
+        # it would run whole on every device, gathering the weight)
+        kernel = w.impl != "reference" and rows <= KERNEL_MAX_ROWS and (not active() or bool(w.split)) \
+            and qmm.unsupported(w.fmt, local_shape(w), x.dtype) is None
+        if w.fmt in XLA_FUSED_FORMATS and w.impl != "reference" and x.dtype != jnp.float32 and rows <= hi \
+                and (lo < rows or not kernel):
             y = jnp.einsum("...i,oi->...o", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
             y = (y * w.scale.reshape(-1)).astype(x.dtype)                  # [..., out]
             return y if b is None else y + b
-        # (not on a mesh: XLA cannot split a Pallas call and would gather the whole weight onto
-        # every device; the XLA routes below are split like any product)
-        if w.impl != "reference" and rows <= KERNEL_MAX_ROWS and not active() \
-                and qmm.unsupported(w.fmt, w.shape, x.dtype) is None:
-            y = qmm.quant_matmul(x.reshape(-1, x.shape[-1]), qmm.kernel_args(w), w.fmt, w.shape,
-                                 interpret=w.impl == "pallas_interpret")
+        if kernel:
+            interpret = w.impl == "pallas_interpret"
+            mm = lambda x, w: qmm.quant_matmul(x, qmm.kernel_args(w), w.fmt, w.shape, interpret=interpret)  # noqa: E731
+            x2 = x.reshape(-1, x.shape[-1])
+            y = split_product(mm, x2, w) if active() else mm(x2, w)
             y = y.reshape(*x.shape[:-1], w.shape[0])
             return y if b is None else y + b
         w = dequantize(_after(w, x), x.dtype)

@@ -50,6 +50,9 @@ class QTensor:
     impl: str = struct.field(pytree_node=False, default="reference")
     # the GGUF block formats' further arrays (quant/ggml.py; pallas_kernels/ggml_blocks.LAYOUT)
     more: tuple = ()
+    # on several devices (sharding.py): the mesh axis each of [O, I] is split over, every array split
+    # alike (e.g. ("tensor", None)); () where it is whole or its arrays are not split alike
+    split: tuple = struct.field(pytree_node=False, default=())
 
     @property
     def arrays(self) -> tuple:
