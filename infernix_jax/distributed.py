@@ -9,6 +9,7 @@ Not on several hosts yet (refused with a clear error): the RAM and SSD tiers of 
 saved prefix caches, hybrids' state snapshots, and --kv-dtype bf16p."""
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 
@@ -48,6 +49,14 @@ def _int_env(name: str) -> int | None:
         raise ValueError(f"{name} must be an integer, got {v!r}") from None
 
 
+def check_mesh(parallel) -> None:
+    """Several hosts run one model over every device of every process: a clear error otherwise (a
+    mesh of some processes' devices leaves the others nothing to run)."""
+    if several() and (not parallel or parallel.devices != jax.device_count()):
+        raise ValueError(f"several hosts: --tensor-parallel x --expert-parallel must cover every device of every "
+                         f"process ({jax.device_count()}), got {parallel.devices if parallel else 1}")
+
+
 def several() -> bool:
     return jax.process_count() > 1
 
@@ -75,15 +84,14 @@ class Channel:
         return pickle.loads(data[:n].tobytes())
 
     def agree(self, value, what: str) -> None:
-        """Every process built the same `what` (value: a small picklable summary): else a clear error
-        on the follower (the leader's value wins) before any step could hang on mismatched shapes."""
-        if is_leader():
-            self.send(value)
-            return
-        theirs = self.receive()
-        if theirs != value:
-            raise ValueError(f"process {jax.process_index()} built another {what} than process 0: {value} != {theirs} "
-                             f"(start every process with the same options on the same kind of device)")
+        """Every process built the same `what` (value: a summary whose repr names it): else a clear
+        error on every process, before any step could hang on mismatched shapes."""
+        from jax.experimental import multihost_utils
+        digest = np.frombuffer(hashlib.sha256(repr(value).encode()).digest()[:8], np.int64)
+        every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
+        if (every != every[0]).any():
+            raise ValueError(f"the processes built different {what}s (process {jax.process_index()}: {value}); start "
+                             f"every process with the same options on the same kind of device")
 
 
 def _bucket(n: int) -> int:
@@ -94,4 +102,4 @@ def _bucket(n: int) -> int:
     return b
 
 
-__all__ = ["Channel", "initialize", "is_leader", "several"]
+__all__ = ["Channel", "check_mesh", "initialize", "is_leader", "several"]

@@ -207,15 +207,24 @@ def param_specs(params: dict, mesh, cfg) -> dict:
     return walk(params)
 
 
+def place(a, sharding: NamedSharding):
+    """Array a (host or one device's) in its shards. On several hosts each process makes only its
+    own shards from its copy (device_put would first check, gathering, that all copies agree)."""
+    if jax.process_count() == 1 or (isinstance(a, jax.Array) and not a.is_fully_addressable):
+        return jax.device_put(a, sharding)
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx], dtype=host.dtype)
+
+
 def _put(tree, specs, mesh: Mesh):
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)) if isinstance(s, P) else a,
+    return jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)) if isinstance(s, P) else a,
                         tree, specs, is_leaf=lambda x: x is None)
 
 
 def placer(mesh: Mesh, cfg):
     """place(name, host array) -> the array in its shards on mesh (the loader's, tensor by tensor)."""
     sizes, units = _sizes(mesh), units_of(cfg)
-    return lambda name, a: jax.device_put(a, NamedSharding(mesh, _leaf_specs(name, a, sizes, units)))
+    return lambda name, a: place(a, NamedSharding(mesh, _leaf_specs(name, a, sizes, units)))
 
 
 def shard_params(params: dict, mesh: Mesh, cfg) -> dict:
@@ -318,4 +327,4 @@ def bytes_per_device(tree, specs, mesh) -> int:
 
 
 __all__ = ["EXPERT", "KV_AXES", "PARAM_AXES", "Parallel", "RULES", "TENSOR", "active", "bytes_per_device", "constrain",
-           "kv_specs", "make_mesh", "make_sharded", "on_heads", "placer", "local_shape", "replicated", "split_product", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]
+           "kv_specs", "make_mesh", "make_sharded", "on_heads", "place", "placer", "local_shape", "replicated", "split_product", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]

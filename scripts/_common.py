@@ -112,8 +112,12 @@ def init_distributed(a) -> bool:
     """Join a multi-host run where the flags or environment ask for one (before any device is used):
     whether there are several processes."""
     from infernix_jax import distributed
-    return distributed.initialize(getattr(a, "coordinator", None), getattr(a, "num_processes", None),
-                                  getattr(a, "process_id", None))
+    several = distributed.initialize(getattr(a, "coordinator", None), getattr(a, "num_processes", None),
+                                     getattr(a, "process_id", None))
+    if several and getattr(a, "weights", None) == "bf16p":        # packing reads whole matrices on one host
+        raise ValueError("not supported across several hosts yet: --weights bf16p")
+    distributed.check_mesh(parallel_of(a))                        # before loading into a mesh
+    return several
 
 
 def parallel_of(a):

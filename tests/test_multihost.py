@@ -24,8 +24,8 @@ def env(devices: int) -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
 
 
-def spawn(mod: str, args: list, pid: int, port: int):
-    return subprocess.Popen([sys.executable, "-m", mod, *args, "--tp", "4", "--coordinator", f"127.0.0.1:{port}",
+def spawn(mod: str, args: list, pid: int, port: int, tp: int = 4):
+    return subprocess.Popen([sys.executable, "-m", mod, *args, "--tp", str(tp), "--coordinator", f"127.0.0.1:{port}",
                              "--num-processes", "2", "--process-id", str(pid)], env=env(2),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -78,6 +78,21 @@ def test_serve_on_two_processes(smollm):
         assert follower.wait(timeout=60) == 0, follower.stderr.read()
     finally:
         for p in (leader, follower):
+            p.kill()
+
+
+def test_a_mesh_must_cover_every_process_s_devices(smollm, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    port, args = free_port(), ["--input", str(src), "--output", str(tmp_path / "out.jsonl")]
+    procs = [spawn("scripts.generate", args, pid, port, tp=2) for pid in (1, 0)]
+    try:
+        for p in procs:
+            assert p.wait(timeout=300) == 2
+            err = p.stderr.read()
+            assert "must cover every device of every process (4), got 2" in err and "Traceback" not in err, err
+    finally:
+        for p in procs:
             p.kill()
 
 

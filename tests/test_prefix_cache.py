@@ -471,3 +471,13 @@ def test_requests_take_turns_under_kv_pressure(tiny, turn):
     else:
         assert max(silent) > 60                       # the last requests waited for the first to finish (81)
     assert eng.bm.num_free == eng.bm.num_blocks
+
+
+def test_block_copies_go_to_the_pool_they_are_given(tiny):
+    """In one schedule the RAM tier's uploads hand back a new pool before the device tier's block
+    copies run: the copies take that pool (the runner's own is stale, its buffers donated)."""
+    eng = Engine(tiny, max_num_seqs=1, max_model_len=64)
+    kv = eng.runner.kv
+    uploaded = kv.replace(k=tuple(x.at[:, 1].set(1.0) for x in kv.k))        # a new pool: block 1 marked
+    out = eng.runner.copy_blocks(uploaded, [(1, 2)])
+    assert out is eng.runner.kv and all(bool((x[:, 2] == 1.0).all()) for x in out.k)

@@ -67,6 +67,7 @@ class Engine:
         check_kv_dtype(kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
         if distributed.several():
             _check_several_hosts(kv_dtype, prefix_cache_ram_gib, ssd_context_gib, prefix_cache_file, state_snapshots)
+            distributed.check_mesh(parallel)
             state_snapshots = 0          # hybrids: no snapshots across hosts yet (distributed.py)
         self.kv_dtype = kv_dtype
         self.model = model

@@ -2,6 +2,8 @@
 step (or several decode steps in one dispatch), and brings the sampled tokens back in one transfer."""
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,8 @@ class StepOutput:
     def __init__(self, ids, lps, top_ids=None, top_lps=None):
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
 
+
+log = logging.getLogger("infernix.engine")
 
 STOP_WIDTH = 8        # stop token ids per row the device checks (a fixed width: no recompiles)
 
@@ -64,10 +68,14 @@ class Runner:
         return getattr(self, "_op_" + op)(*args, **kw)
 
     def follow(self) -> None:
-        """A follower's life: replay the leader's device calls until it releases us."""
+        """A follower's life: replay the leader's device calls until it releases us. A call that
+        fails here is logged and the next one taken (the leader's recovery, a pool reset, follows)."""
         while (msg := self.channel.receive()) is not None:
             op, args, kw = msg
-            getattr(self, "_op_" + op)(*args, **kw)
+            try:
+                getattr(self, "_op_" + op)(*args, **kw)
+            except Exception as e:  # noqa: BLE001  (stay in step with the leader)
+                log.error("replaying %s failed: %s", op, e)
 
     def release(self) -> None:
         """The leader's last word to the followers (their follow() returns). Idempotent."""
@@ -91,8 +99,9 @@ class Runner:
         return self.kv
 
     def copy_blocks(self, kv, pairs) -> PagedKV:
-        """The prefix cache's copy-on-write of blocks (kv is this runner's pool, donated)."""
-        assert kv is self.kv
+        """The prefix cache's copy-on-write of blocks in pool kv (this runner's, or the one the
+        cache's uploads just made of it; donated)."""
+        self.kv = kv
         return self._device("copy_blocks", pairs)
 
     def reset_kv(self) -> None:
