@@ -56,6 +56,10 @@ class Parallel:
     tensor: int = 1
     expert: int = 1
 
+    def __post_init__(self):
+        if self.tensor < 1 or self.expert < 1:
+            raise ValueError(f"--tensor-parallel and --expert-parallel must be >= 1 (got {self.tensor}, {self.expert})")
+
     @property
     def devices(self) -> int:
         return self.tensor * self.expert
@@ -80,8 +84,6 @@ def make_mesh(par: Parallel, devices=None) -> Mesh:
     """A ("expert", "tensor") mesh over the first par.devices devices (all processes' devices in a
     multi-host run); a clear error when there are fewer."""
     devs = list(devices if devices is not None else jax.devices())
-    if par.tensor < 1 or par.expert < 1:
-        raise ValueError(f"--tensor-parallel and --expert-parallel must be >= 1 (got {par.tensor}, {par.expert})")
     if len(devs) < par.devices:
         raise ValueError(f"--tensor-parallel {par.tensor} x --expert-parallel {par.expert} needs {par.devices} "
                          f"devices; {len(devs)} visible ({devs[0].platform})")
@@ -106,21 +108,26 @@ def spec(axes: tuple, shape: tuple, sizes: dict, units: dict | None = None) -> P
 
 
 def _sizes(mesh) -> dict:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes") else mesh.devices.shape))
+    return dict(mesh.shape)
+
+
+def _traced_sizes() -> dict:
+    """The axis sizes of the mesh of several devices a step is traced on (`use`); {} without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh is None or mesh.empty else _sizes(mesh)
+    return sizes if math.prod(sizes.values()) > 1 else {}
 
 
 def active() -> bool:
     """Whether a step is being traced on a mesh of several devices (`use`)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not (mesh is None or mesh.empty or math.prod(mesh.axis_sizes) == 1)
+    return bool(_traced_sizes())
 
 
 def constrain(x, *axes):
     """x's sharding as its logical axes say, inside a step traced under a mesh (`use`); unchanged
     without one. The model code's only word on placement."""
-    if not active():
-        return x
-    return jax.lax.with_sharding_constraint(x, spec(axes, x.shape, _sizes(jax.sharding.get_abstract_mesh())))
+    sizes = _traced_sizes()
+    return jax.lax.with_sharding_constraint(x, spec(axes, x.shape, sizes)) if sizes else x
 
 
 def on_heads(fn):
@@ -130,8 +137,7 @@ def on_heads(fn):
     counts: query heads and the pools' KV heads (and their scales / escapes) split alike, so each
     device's GQA groups stay whole. Otherwise fn itself."""
     def call(q, k_pool, v_pool, *rest, **kw):
-        mesh = jax.sharding.get_abstract_mesh()
-        tp = 1 if mesh is None or mesh.empty else _sizes(mesh).get(TENSOR, 1)
+        tp = _traced_sizes().get(TENSOR, 1)
         if tp == 1 or q.shape[1] % tp or k_pool.shape[0] % tp:
             return fn(q, k_pool, v_pool, *rest, **kw)
         arrays = {k: v for k, v in kw.items() if hasattr(v, "shape")}
@@ -240,9 +246,8 @@ def _annotate(params, specs):
     def one(leaf, s):
         if not isinstance(leaf, QTensor) or len(leaf.shape) != 2:
             return leaf
-        want = tuple(s.data) + (None,) * (2 - len(s.data))
-        alike = all(tuple(p) + (None,) * (2 - len(p)) == _array_split(a, want)
-                    for a, p in zip(leaf.arrays, s.arrays) if a.ndim == 2)
+        want = tuple(s.data)                                # (spec writes every dimension)
+        alike = all(tuple(p) == _array_split(a, want) for a, p in zip(leaf.arrays, s.arrays) if a.ndim == 2)
         return leaf.replace(split=want if alike and any(want) else ())
     return jax.tree.map(one, params, specs, is_leaf=lambda x: isinstance(x, QTensor))
 
@@ -256,9 +261,9 @@ def _array_split(a, split: tuple) -> tuple:
 def local_shape(w) -> tuple:
     """The [N, K] of one device's shard of a quantized weight split as w.split (on the mesh a step
     is traced on; w.shape where it is whole)."""
-    if not w.split or not active():
+    sizes = _traced_sizes()
+    if not w.split or not sizes:
         return tuple(w.shape)
-    sizes = _sizes(jax.sharding.get_abstract_mesh())
     return tuple(d // sizes[ax] if ax else d for d, ax in zip(w.shape, w.split))
 
 
@@ -292,10 +297,6 @@ def kv_specs(kv, mesh: Mesh):
         lost=None if kv.lost is None else whole(kv.lost))
 
 
-def shard_kv(kv, mesh: Mesh):
-    return _put(kv, kv_specs(kv, mesh), mesh)
-
-
 def make_sharded(make, specs_of, mesh: Mesh | None):
     """make() (arrays from nothing: a zeroed pool) built directly in its shards on mesh, as
     specs_of(its shapes) says: no device ever holds the whole of it (None: one device)."""
@@ -327,4 +328,4 @@ def bytes_per_device(tree, specs, mesh) -> int:
 
 
 __all__ = ["EXPERT", "KV_AXES", "PARAM_AXES", "Parallel", "RULES", "TENSOR", "active", "bytes_per_device", "constrain",
-           "kv_specs", "make_mesh", "make_sharded", "on_heads", "place", "placer", "local_shape", "replicated", "split_product", "param_specs", "shard_kv", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]
+           "kv_specs", "make_mesh", "make_sharded", "on_heads", "place", "placer", "local_shape", "replicated", "split_product", "param_specs", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]

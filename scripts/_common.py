@@ -123,10 +123,7 @@ def init_distributed(a) -> bool:
 def parallel_of(a):
     """--tensor-parallel / --expert-parallel -> a sharding.Parallel over several devices, or None."""
     from infernix_jax.sharding import Parallel
-    tp, ep = getattr(a, "tensor_parallel", 1), getattr(a, "expert_parallel", 1)
-    if tp < 1 or ep < 1:
-        raise ValueError(f"--tensor-parallel and --expert-parallel must be >= 1 (got {tp}, {ep})")
-    par = Parallel(tp, ep)
+    par = Parallel(getattr(a, "tensor_parallel", 1), getattr(a, "expert_parallel", 1))     # (checks them)
     return par if par else None
 
 
