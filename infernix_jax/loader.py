@@ -37,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     dtype: object
     generation_defaults: dict = dataclasses.field(default_factory=dict)   # see generation_config.py
+    generation_source: str = ""          # where they come from (for the start-up line)
     # --weights: the QTensor format of the projections ("": as loaded; "gguf": each projection in its
     # GGUF file's own block type, quant/ggml.py, or dequantized where that type has no kernel)
     weights_format: str = ""
@@ -237,8 +238,20 @@ def load_model(spec: str, dtype: str = "float32", with_tokenizer: bool = True, w
                      plain / 2**30, packed / 2**30, esc)
     if fuse and not parallel:       # after quantizing part by part, as infernix-convert stores them: the same model either way
         params = fuse_params(params, in_place=True)
+    gen, source = _with_alias_defaults(spec, gen)
     return LoadedModel(name=spec if spec in ALIASES else path.name, path=path, cfg=cfg, params=params,
-                       tokenizer=tok, dtype=jdt, generation_defaults=gen, weights_format=weights or stored)
+                       tokenizer=tok, dtype=jdt, generation_defaults=gen, generation_source=source,
+                       weights_format=weights or stored)
+
+
+def _with_alias_defaults(spec: str, gen: dict) -> tuple[dict, str]:
+    """The model file's own sampling defaults; an alias whose file has none gets its card's."""
+    if gen:
+        return gen, "the model's own"
+    alias = ALIASES.get(spec)
+    if alias is not None and alias.sampling:
+        return dict(alias.sampling), f"{alias.sampling_source}, for the {spec} alias"
+    return {}, ""
 
 
 def _check_weights(weights, dtype: str, stored: str = "", where: Path | None = None) -> None:

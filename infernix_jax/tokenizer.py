@@ -11,6 +11,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from .errors import TokenizerError  # noqa: F401  (re-exported)
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -24,8 +25,6 @@ _SPLITS = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "llama3": _L
            "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
 
 
-class TokenizerError(ValueError):
-    pass
 
 
 def _pre_tokenizer(pre: str | None):

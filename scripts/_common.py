@@ -5,9 +5,9 @@ import os
 import sys
 from typing import Callable
 
+from infernix_jax import choices
 from infernix_jax.config import ConfigError
-from infernix_jax.tokenizer import TokenizerError
-from infernix_jax.weights import ModelLoadError
+from infernix_jax.errors import ModelLoadError, TokenizerError
 
 USER_ERRORS = (ModelLoadError, ConfigError, TokenizerError, FileNotFoundError, PermissionError,
                IsADirectoryError, ValueError)
@@ -33,18 +33,25 @@ def add_model_args(p, default_model: str | None = None, more_weights: tuple = ()
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: a converted checkpoint's own, else float32: XLA's CPU bf16 "
                         "matmuls are slow)")
-    from infernix_jax.quant import WEIGHT_FORMATS
-    p.add_argument("--weights", default=None, choices=(*WEIGHT_FORMATS, *more_weights),
+    p.add_argument("--weights", default=None, choices=(*choices.WEIGHT_FORMATS, *more_weights),
                    help="the projections' format: quantize them after loading (attention, MLP, linear attention, shared "
-                        "experts; embeddings, LM head and routed experts stay as loaded). On a GPU, decode "
+                        "and routed experts; embeddings, the LM head, norms and routers stay as loaded). On a GPU, decode "
                         "reads them through a fused dequantizing kernel; docs/quality.md says what each costs. "
                         "bf16p: lossless 12-bit packing of bfloat16 weights (bit-identical output; needs "
                         "--dtype bfloat16). gguf: a .gguf model's projections stay in the file's own blocks "
                         "(Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, IQ4_XS; values unchanged), other types are dequantized")
+    add_compile_cache_arg(p)
     p.add_argument("--lossless", action="store_true",
                    help="the exact route: float32 activations, every matmul in full f32 (no TF32, no bf16), "
                         "the reference attention and dequantize-then-multiply: slower, the reference for "
                         "infernix-quality. Without it the GPU runs faster arithmetic (also deterministic)")
+
+
+def add_compile_cache_arg(p):
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="JAX's persistent compilation cache: what one start compiles, the next reads back "
+                        "(default: INFERNIX_COMPILE_CACHE, else ~/.cache/infernix/xla-cache); off: compile "
+                        "every start")
 
 
 def apply_route(a) -> None:
@@ -53,7 +60,9 @@ def apply_route(a) -> None:
     against the other flags, with JAX set up for it. a.stored_weights: a converted checkpoint's
     weight format ("" otherwise); a command with --kv-dtype takes the checkpoint's default KV dtype
     when none is given (not under --lossless: quantized KV is a lossy route)."""
+    from infernix_jax import compile_cache
     from infernix_jax.loader import stored_route
+    a.compile_cache_dir = compile_cache.enable(getattr(a, "compile_cache", None))
     lossless = getattr(a, "lossless", False)
     check_lossless(a)
     stored_dtype, a.stored_weights, stored_kv = stored_route(a.model)
@@ -84,7 +93,7 @@ def check_lossless(a) -> None:
 
 
 def add_kv_dtype_arg(p):
-    p.add_argument("--kv-dtype", default=None, choices=["model", "int8", "fp8", "k8v4", "bf16p"],
+    p.add_argument("--kv-dtype", default=None, choices=["model", *choices.KV_DTYPES],
                    help="store K and V quantized, one f32 scale per head and token (k8v4: 8-bit keys, 4-bit "
                         "values): about half (int8, fp8) or 40%% (k8v4) of bf16's KV bytes; bf16p: bfloat16 "
                         "packed losslessly in ~0.8x the bytes (bit-identical output; a request whose K/V cannot "
@@ -213,3 +222,53 @@ def engine_kwargs(a) -> dict:
                 block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                 chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl,
                 parallel=parallel_of(a))
+
+
+class Progress:
+    """Progress of a long run on stderr: a tqdm bar on a terminal; elsewhere (a log file, CI, a pipe)
+    one plain line every `every` seconds and one at the end, e.g.
+    `infernix-generate: 40/100 prompts (40%), 12 s, about 18 s left`."""
+
+    def __init__(self, prog: str, total: int, unit: str, desc: str = "", every: float = 10.0):
+        import time
+        self.prog, self.total, self.unit, self.every = prog, total, unit, every
+        self.n, self._clock = 0, time.monotonic
+        self._t0 = self._last = self._clock()
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, desc=desc or prog, unit=unit)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self._clock() - self._last >= self.every:
+            self._line()
+
+    def each(self, items):
+        """items, counting each one done as the next is asked for (and at the end)."""
+        for x in items:
+            yield x
+            self.update()
+
+    def _line(self) -> None:
+        self._last = now = self._clock()
+        took = now - self._t0
+        pct = f" ({100 * self.n // self.total}%)" if self.total else ""
+        left = f", about {took / self.n * (self.total - self.n):.0f} s left" if 0 < self.n < self.total else ""
+        print(f"{self.prog}: {self.n}/{self.total} {self.unit}s{pct}, {took:.0f} s{left}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.n or self.total:
+            self._line()
+            self.total = self.n = 0           # (once)

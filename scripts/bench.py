@@ -1,10 +1,19 @@
-"""infernix-bench: decode speed of the engine, against transformers measured in the same run.
+"""infernix-bench: speed of the engine and its kernels, each against a reference measured in the same run.
 
-  python -m scripts.bench decode [--model M] [--batch 1] [--prompt-tokens 128] [--new-tokens 128]
-  python -m scripts.bench prefix [--tokens 2048] [--shape qwen3-8b]   (see scripts/bench_prefix.py)
+  infernix-bench decode [--model M] [--batch 1] [--prompt-tokens 128] [--new-tokens 128]
+      a real model on this machine: decode tokens/s (prefill excluded, after a warm-up run that
+      compiles) against transformers' generate() on torch with the same weights, greedy
+  infernix-bench shapes --shape qwen3-8b [--batches 1,64] [--contexts 1024] [--prefill-lens 4096]
+      GPU, random weights at a named real shape: decode and prefill against the HBM roofline
+      (scripts/bench_shapes.py); --tensor-parallel 1,2,4,8 for the scaling over devices
+  infernix-bench qmatmul | moe | gdn        GPU kernels alone (bench_quant.py, bench_moe.py, bench_gdn.py)
+  infernix-bench prefix [--tokens 2048]     time to first token of a resent conversation from each
+                                            prefix-cache tier (scripts/bench_prefix.py)
+  infernix-bench serve [--starts 2] [--clients 1,8]
+      the server over HTTP: start-up (first start compiling, then from the compilation cache), the
+      first answer against the next, throughput of several clients against one (bench_serve.py)
 
-Prints tokens/s for our engine (prefill excluded, after a warm-up run that compiles) and for
-transformers' generate() on torch with the same weights, greedy, and the ratio between them."""
+Results and the commands that produced them: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +21,6 @@ import json
 import platform
 import sys
 import time
-
-import numpy as np
 
 from scripts._common import add_kv_dtype_arg, add_model_args, apply_route, run
 
@@ -67,7 +74,7 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul", "moe"],
+    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul", "moe", "serve"],
                    help="decode: a real model on this machine vs transformers; shapes: random weights at "
                         "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
                         "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py; prefix: time to "
@@ -75,7 +82,8 @@ def main(argv=None) -> int:
                         "moe: one MoE layer through the grouped expert kernel against the jnp paths (GPU), "
                         "see scripts/bench_moe.py; "
                         "qmatmul: the fused dequantizing matmul at a shape's projections against bf16 (GPU), "
-                        "see scripts/bench_quant.py")
+                        "see scripts/bench_quant.py; serve: the server's start-up and its throughput under "
+                        "several clients, see scripts/bench_serve.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
                                                           "qwen3-30b-a3b, qwen3.5-27b, qwen3.5-35b-a3b")
     p.add_argument("--batches", default="1,8,32,64,128")
@@ -98,7 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--unfused", action="store_true", help="shapes: q/k/v and gate/up as separate products (the "
                                                           "loader fuses them: models/fuse.py), to measure the fusion")
     p.add_argument("--out", default="bench-out")
-    from infernix_jax.quant.ggml import GGML_FORMATS
+    from infernix_jax.choices import GGML_FORMATS
     add_model_args(p, more_weights=GGML_FORMATS)      # shapes also takes a GGUF block type (random blocks)
     add_kv_dtype_arg(p)                               # decode, shapes and prefix
     p.add_argument("--batch", type=int, default=1)
@@ -110,6 +118,10 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="a,b,c,d,e,replay",
                    help="for 'prefix': which cases (a cold, b device, c RAM, d SSD, e restart, replay; "
                         "disk: this host's cold read and zstd speeds, what bounds d)")
+    p.add_argument("--starts", type=int, default=2, help="for 'serve': server starts on one compilation cache")
+    p.add_argument("--clients", default="1,8", help="for 'serve': concurrent clients to compare (the first is "
+                                                     "the reference)")
+    p.add_argument("--requests", type=int, default=4, help="for 'serve': requests each client sends in turn")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV pool of our engine (default: what the engine picks for the lengths below)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -118,6 +130,17 @@ def main(argv=None) -> int:
     def go():
         a = p.parse_args(argv)
         apply_route(a)
+        if a.what == "serve":
+            from scripts import bench_serve
+            if a.starts < 1 or a.requests < 1:
+                raise ValueError("--starts and --requests must be >= 1")
+            clients = [int(x) for x in a.clients.split(",") if x]
+            if any(c < 1 for c in clients):
+                raise ValueError("--clients takes positive counts, e.g. 1,8")
+            cache = a.compile_cache if a.compile_cache not in (None, "off") else None
+            bench_serve.run(a.model, a.starts, cache, clients, a.requests, a.new_tokens, a.out,
+                            [] if a.dtype is None else ["--dtype", a.dtype])
+            return 0
         if a.what == "gdn":
             from scripts import bench_gdn
             shape = "qwen3.5-27b" if a.shape == p.get_default("shape") else a.shape
@@ -178,6 +201,7 @@ def main(argv=None) -> int:
         import jax
         from infernix_jax.loader import load_model
         model = load_model(a.model, dtype=a.dtype, weights=a.weights)
+        import numpy as np
         prompt = list(np.random.default_rng(0).integers(100, model.cfg.vocab_size - 100, a.prompt_tokens))
         prompt = [int(t) for t in prompt]
         ours = _ours(model, a.batch, prompt, a.new_tokens, a.kv_cache_gib, a.max_model_len, a.attn_impl,

@@ -13,7 +13,7 @@ from scripts._common import run
 
 
 def main(argv=None) -> int:
-    from infernix_jax.quant import WEIGHT_FORMATS
+    from infernix_jax.choices import KV_DTYPES, WEIGHT_FORMATS
     p = argparse.ArgumentParser(prog="infernix-convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="a Hugging Face model directory, a .gguf file or an alias")
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the tensors that stay unquantized (default %(default)s)")
 
-    p.add_argument("--kv-dtype", default=None, choices=["int8", "fp8", "k8v4", "bf16p"],
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                    help="the KV cache dtype the checkpoint is served with by default (its manifest says so; "
                         "infernix-serve --kv-dtype overrides it, --kv-dtype model for the model dtype); "
                         "default: the model dtype")

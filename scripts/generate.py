@@ -3,17 +3,16 @@
 Each input line holds {"prompt": str} (raw text) or {"messages": [...]} (chat), plus optional
 per-line max_tokens, temperature, top_p, top_k, seed, stop. Each output line keeps the input's fields
 and adds text, prompt_tokens, completion_tokens and finish_reason; a bad line gets an "error" field
-instead and the rest go on. Output is written in input order as batches finish."""
+instead and the rest go on (the command then exits with 1). Output is written in input order as
+batches finish."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from tqdm import tqdm
-
-from scripts._common import (add_kv_dtype_arg, add_model_args, add_parallel_args, apply_route, init_distributed,
-                             parallel_of, run)
+from scripts._common import (Progress, add_kv_dtype_arg, add_model_args, add_parallel_args, apply_route,
+                             init_distributed, parallel_of, run)
 
 SAMPLING_FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
                    "seed": int, "stop": (str, list)}
@@ -68,7 +67,7 @@ def _generate_all(engine, model, raw_lines: list[str], a) -> tuple[int, int]:
             items.append((line, None, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))
     failed = 0
     with open(a.output, "w", encoding="utf-8") as out, \
-            tqdm(total=len(items), desc="generating", unit="prompt", disable=None) as bar:
+            Progress("infernix-generate", len(items), "prompt", "generating") as bar:
         for start in range(0, len(items), a.batch_size):
             chunk = items[start:start + a.batch_size]
             reqs = [r for _, r, _ in chunk if r is not None]
@@ -127,9 +126,10 @@ def main(argv=None) -> int:
             failed, total = _generate_all(engine, model, raw_lines, a)
         finally:
             engine.close()               # (several hosts: releases the other processes)
-        if failed:
+        if failed:               # (the exit-code rule of every tool: README, "Command-line tools")
             print(f"infernix-generate: {failed} of {total} lines failed (see their 'error' field)",
                   file=sys.stderr)
+            return 1
         return 0
 
     return run("infernix-generate", go)

@@ -25,7 +25,7 @@ from scripts._common import run
 
 def main(argv=None) -> int:
     from infernix_jax.hub import DEFAULT_MODEL
-    from infernix_jax.quant import FORMATS
+    from infernix_jax.choices import LOSSY_FORMATS as FORMATS
     p = argparse.ArgumentParser(prog="infernix-quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face model directory, a .gguf file, or an alias")

@@ -11,9 +11,8 @@ import json
 import sys
 
 import numpy as np
-from tqdm import tqdm
 
-from scripts._common import add_model_args, apply_route, run
+from scripts._common import Progress, add_model_args, apply_route, run
 
 
 def main(argv=None) -> int:
@@ -36,7 +35,8 @@ def main(argv=None) -> int:
         model = load_model(a.model, dtype=a.dtype, with_tokenizer=False, weights=a.weights)
         cfg = model.cfg
         arrays, failed = {}, 0
-        for i, ln in enumerate(tqdm(lines, desc="scoring", unit="seq", disable=None)):
+        bar = Progress("infernix-score", len(lines), "line", "scoring")
+        for i, ln in enumerate(bar.each(lines)):
             try:
                 toks = json.loads(ln).get("tokens") if ln.lstrip().startswith("{") else None
                 if not isinstance(toks, list) or not toks or not all(
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
             with jax.default_matmul_precision("highest" if a.dtype == "float32" else "default"):
                 lp = full_logprobs(model.params, cfg, jnp.asarray(padded), init_cache(cfg, 1, T, model.dtype))
             arrays[f"logprobs_{i}"] = np.asarray(lp[0, :len(toks)], dtype=np.float32)
+        bar.close()
         np.savez(a.output, **arrays)
         if failed:
             print(f"infernix-score: {failed} of {len(lines)} lines failed (stored as error_<i>)", file=sys.stderr)

@@ -23,8 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model's alias or directory name); '*' accepts any name, for clients that send their "
                         "own; a request naming another model gets 404")
     p.add_argument("--warmup", choices=["basic", "full", "none"], default="basic",
-                   help="compile before serving: basic = the batch-1 shapes, full = every bucketed shape the "
-                        "limits allow (minutes for a big model, then no request ever waits on a compile)")
+                   help="run each step shape once before /health says ready (requests sent meanwhile wait): "
+                        "basic = the shapes a first session meets (short and long prompts, every batch size, "
+                        "follow-up turns, logprobs, constrained output), then, while idle, those earlier runs "
+                        "met; full = every bucketed shape the limits allow (minutes for a big model). With "
+                        "the compilation cache (--compile-cache) a later start reads them back in seconds")
     g = p.add_argument_group("limits")
     g.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY); default: env "
@@ -44,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("sampling defaults (for the fields a request leaves out)")
     g.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto (default): the model's own defaults (generation_config.json, or a GGUF's "
-                        "general.sampling.* keys), as vLLM does; none: the protocols' defaults (temperature 1)")
+                        "general.sampling.* keys), as vLLM does; where the file has none, an alias's from its "
+                        "model card (the default model: temperature 0.2, top_p 0.9), else the protocols' "
+                        "(temperature 1); none: the protocols' defaults. The start-up log prints those in force")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="defaults over the model's, e.g. '{\"temperature\": 0.6, \"top_k\": 20}'; fields: "
                         "temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
@@ -114,16 +119,23 @@ def main(argv=None) -> int:
         names = tuple(a.served_model_name or (model.name,))
         limits.model_names = names
         model.name = next((n for n in names if n != "*"), model.name)
-        _apply_generation_config(limits, model.generation_defaults if a.generation_config == "auto" else {},
-                                 override)
+        auto = a.generation_config == "auto"
+        _apply_generation_config(limits, model.generation_defaults if auto else {}, override,
+                                 model.generation_source if auto else "")
         engine = Engine(model, **kw)
         print(engine.plan.describe(), file=sys.stderr)
         print(describe_prefix_cache(kw), file=sys.stderr)
         print(f"route:              {'lossless (f32 everywhere, reference kernels)' if a.lossless else 'default'}"
               + (f", weights {model.weights_format}" if model.weights_format else ""), file=sys.stderr)
-        if a.warmup == "full":
-            print(f"infernix-serve: compiled {engine.warmup()} step shapes", file=sys.stderr)
-        app = create_app(engine, warmup=a.warmup == "basic", limits=limits,
+        if a.warmup != "none":
+            where = f"a later start reads them from {a.compile_cache_dir}" if a.compile_cache_dir else \
+                "every start compiles them: --compile-cache is off"
+            keys = engine.warm_keys(a.warmup)
+            more = len(set(engine.earlier_shapes) - set(keys))
+            earlier = f"; then, while idle, {more} more that earlier runs met" if more else ""
+            print(f"infernix-serve: warming up {len(keys)} step shapes before /health says "
+                  f"ready, serving any request first ({where}){earlier}", file=sys.stderr)
+        app = create_app(engine, warmup=a.warmup, limits=limits,
                          admin_info=_admin_info(p, started, config_file))
         print(f"infernix-serve: serving {model.name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         try:
@@ -183,15 +195,19 @@ def _override(text: str | None) -> dict:
     return generation_config.check(d, "--override-generation-config")
 
 
-def _apply_generation_config(limits, model_defaults: dict, override: dict) -> None:
-    """The model's defaults, then the override; max_new_tokens joins --max-new-tokens (the lower wins)."""
+def _apply_generation_config(limits, model_defaults: dict, override: dict, source: str = "") -> None:
+    """The model's defaults, then the override; max_new_tokens joins --max-new-tokens (the lower wins).
+    source: where the model's defaults come from (said in the start-up line)."""
     from infernix_jax import generation_config
     d = {**model_defaults, **override}
     cap = d.pop("max_new_tokens", None)
     if cap is not None:
         limits.max_new_tokens = min(cap, limits.max_new_tokens or cap)
     limits.sampling_defaults = d
-    print(f"infernix-serve: sampling defaults {generation_config.describe(d)}; max new tokens "
+    whence = "; ".join(w for w in ((source if model_defaults else ""),
+                                   ("--override-generation-config" if override else "")) if w)
+    print(f"infernix-serve: sampling defaults {generation_config.describe(d)}"
+          f"{f' ({whence})' if whence else ' (the protocols: temperature 1)'}; max new tokens "
           f"{limits.max_new_tokens or 'as the context allows'}", file=sys.stderr)
 
 

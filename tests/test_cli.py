@@ -26,7 +26,7 @@ def test_generate_jsonl(tmp_path, smollm):
     ]
     inp.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
-    assert generate.main(["--input", str(inp), "--output", str(out), "--max-tokens", "24"]) == 0
+    assert generate.main(["--input", str(inp), "--output", str(out), "--max-tokens", "24"]) == 1   # bad lines
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r.get("id") for r in recs] == ["a", None, "b", "c", "d", "e"]
     assert "Paris" in recs[0]["text"] and recs[0]["finish_reason"] == "stop"
@@ -118,6 +118,7 @@ def test_pull_is_idempotent_and_uses_the_cache(smollm):
     assert path == smollm.path and hub.sha256_file(path) == hub.ALIASES["smollm2-135m-instruct"].file_sha256
 
 
+@pytest.mark.extended
 def test_serve_plans_and_checks_several_devices(smollm):
     """--tensor-parallel: --plan gives one device's share (SmolLM2's 9 heads and 3 KV heads split 3
     ways: a third of each KV block); more devices than there are is a one-line error before loading."""
@@ -159,3 +160,38 @@ def test_serve_plan_prints_the_allocation_without_loading(smollm):
     assert g.returncode == 0 and "weights gguf" in g.stdout and w(g.stdout) < 0.5 * w(r.stdout), g.stdout
     bad = run_cli("scripts.serve", "--plan", "--weights", "int3")
     assert bad.returncode == 2 and "--weights" in bad.stderr and "Traceback" not in bad.stderr
+
+
+TOOLS = ("serve", "generate", "score", "pull", "bench", "quality", "convert")
+
+
+def test_help_imports_no_model_code():
+    """--help of every tool builds its parser without JAX, NumPy's model code, the tokenizer or the
+    server (so it answers at once); it exits 0 and names the tool as installed."""
+    code = ("import runpy, sys\n"
+            "for tool in sys.argv[1:]:\n"
+            "    sys.argv = ['x', '--help']\n"
+            "    try:\n"
+            "        runpy.run_module('scripts.' + tool, run_name='__main__')\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code in (0, None), (tool, e.code)\n"
+            "heavy = [m for m in ('jax', 'jaxlib', 'flax', 'tokenizers', 'sanic', 'gguf', 'torch') if m in sys.modules]\n"
+            "print('HEAVY', heavy)\n")
+    r = subprocess.run([sys.executable, "-c", code, *TOOLS], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "HEAVY []" in r.stdout, r.stdout[-500:]
+    for tool in TOOLS:
+        assert f"usage: infernix-{tool}" in r.stdout
+    assert "python -m scripts" not in r.stdout
+
+
+def test_progress_lines_off_a_terminal(capsys):
+    """Off a terminal, progress is plain lines on stderr (at the interval and at the end)."""
+    from scripts._common import Progress
+    bar = Progress("infernix-x", 3, "item", every=0.0)
+    for _ in bar.each(range(3)):
+        pass
+    bar.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("infernix-x: 1/3 items (33%)") and "left" in err[0]
+    assert err[-1].startswith("infernix-x: 3/3 items (100%)") and len(err) == 4

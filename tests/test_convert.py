@@ -43,6 +43,7 @@ def test_round_trip_is_exact_and_keeps_the_tokenizer(smollm, converted):
     assert man["total_bytes"] == sum(np.asarray(x).nbytes for x in leaves(smollm.params))
 
 
+@pytest.mark.extended
 def test_quantized_round_trip_keeps_the_format(smollm, converted):
     """A converted nvfp4 checkpoint loads as `--weights nvfp4` quantizes at load: part by part (each
     with its tensor scale, so these parts stay apart: models/fuse.py)."""
@@ -61,6 +62,7 @@ def test_quantized_round_trip_keeps_the_format(smollm, converted):
     assert load_model(str(converted["nvfp4"]), weights="nvfp4").weights_format == "nvfp4"
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("fmt", ["mxfp8", "int4"])
 def test_every_quantized_array_kind_survives(smollm, tmp_path, fmt):
     """e8m0 scales (mxfp8) and integer zero points (int4) come back bit for bit."""
@@ -91,6 +93,7 @@ def test_the_default_kv_dtype_of_a_checkpoint(converted):
     assert plain.kv_dtype is None
 
 
+@pytest.mark.extended
 def test_a_converted_model_serves_and_answers(converted, tmp_path_factory):
     import openai
     from conftest import start_server
@@ -165,6 +168,7 @@ def test_convert_cli_errors_are_one_line(smollm, converted, tmp_path, capsys):
     assert not [f for f in tmp_path.iterdir() if "partial" in f.name]      # nothing left behind
 
 
+@pytest.mark.extended
 def test_relative_paths_convert_and_load(smollm, tmp_path, monkeypatch):
     """Orbax's default layout wants absolute paths: both ends make them so."""
     monkeypatch.chdir(tmp_path)
@@ -187,6 +191,7 @@ def test_packed_matrices_without_escapes_are_stored(tmp_path):
     assert e["shape"] == [0] and _check(tmp_path, "w.esc_idx", None, e).shape == (0,)
 
 
+@pytest.mark.extended
 def test_bf16p_converts_and_loads_bit_for_bit(smollm, tmp_path):
     from infernix_jax.quant.packed import Packed12, unpack
     assert convert_main([str(smollm.path), str(tmp_path / "p"), "--weights", "bf16p"]) == 0

@@ -121,19 +121,17 @@ def test_min_p_one_is_greedy(tiny):
 
 
 def test_after_warmup_50_random_requests_compile_nothing(tiny):
+    from conftest import compiles
     eng = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, decode_steps=4)
     assert eng.warmup() > 0
-
-    def n():
-        return steps.mixed_step._cache_size(), steps.decode_steps._cache_size()
-    before = n()
+    before = compiles()
     rng = np.random.default_rng(4)
     reqs = []
     for p in random_prompts(rng, 50, 1, 50):
         reqs.append(Request(p, SamplingParams(max_tokens=int(rng.integers(1, 64 - len(p) + 1)),
                                               temperature=float(rng.choice([0.0, 0.7])), ignore_eos=True)))
     eng.generate(reqs)
-    assert n() == before
+    assert compiles() == before
     assert eng.bm.num_free == eng.bm.num_blocks
 
 
@@ -200,12 +198,14 @@ def greedy_by_impl(model, prompts) -> dict:
     return outs
 
 
+@pytest.mark.extended
 def test_pallas_kernels_in_the_engine_match_the_reference_path(tiny):
     """The engine with the Pallas kernels (interpret mode here) gives the reference path's tokens."""
     outs = greedy_by_impl(tiny, random_prompts(np.random.default_rng(5), 3, 5, 40))
     assert outs["pallas_interpret"] == outs["reference"]
 
 
+@pytest.mark.extended
 def test_grouped_expert_kernel_in_the_engine_matches_the_reference_path(tiny):
     """A tiny MoE model (8 experts, top-2, quantized experts too) in the engine: prefill chunks and
     decode steps through the grouped expert kernel (interpret mode) give the jnp paths' tokens."""
@@ -277,6 +277,7 @@ def test_penalties_same_in_one_step_and_multi_step_decode(tiny):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.extended
 def test_penalties_curb_repetition_on_the_real_model(smollm_engine, smollm):
     p = smollm.tokenizer.encode("cat cat cat cat cat cat cat cat")
     plain = smollm_engine.generate([Request(p, greedy(30, ignore_eos=True))])[0]

@@ -60,6 +60,7 @@ def assert_all_released(eng):
     assert sorted(eng.scheduler.free_slots) == list(range(eng.scheduler.max_num_seqs))
 
 
+@pytest.mark.extended
 def test_alone_follows_the_contiguous_forward(hybrid, prompts, reference):
     """Teacher-forced: each generated token is the contiguous forward's argmax (the forward that
     matches transformers in test_models), so the engine's own single-request path is right."""
@@ -77,6 +78,7 @@ def test_alone_follows_the_contiguous_forward(hybrid, prompts, reference):
         assert np.all(picked >= rows.max(axis=1) - 1e-4 * np.abs(rows).max()), f"prompt {i}"
 
 
+@pytest.mark.extended
 def test_8_concurrent_mixed_lengths_equal_each_alone(hybrid, prompts, reference):
     eng = Engine(hybrid, max_num_seqs=8, max_num_batched_tokens=48, decode_steps=3)
     got = eng.generate([Request(p, greedy()) for p in prompts])
@@ -84,6 +86,7 @@ def test_8_concurrent_mixed_lengths_equal_each_alone(hybrid, prompts, reference)
     assert_all_released(eng)
 
 
+@pytest.mark.extended
 def test_preemption_restarts_the_state(hybrid, prompts, reference):
     per_tok = 2 * hybrid.cfg.num_kv_heads * hybrid.cfg.head_dim * 4          # one attention layer, fp32
     eng = Engine(hybrid, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=2, max_model_len=176,
@@ -94,12 +97,14 @@ def test_preemption_restarts_the_state(hybrid, prompts, reference):
     assert_all_released(eng)
 
 
+@pytest.mark.extended
 def test_pallas_decode_kernel_in_the_engine(hybrid, prompts, reference):
     eng = Engine(hybrid, max_num_seqs=8, max_num_batched_tokens=64, decode_steps=3, attn_impl="pallas_interpret")
     got = eng.generate([Request(p, greedy()) for p in prompts[:5]])
     assert [r.token_ids for r in got] == reference[:5]
 
 
+@pytest.mark.extended
 def test_snapshots_at_block_boundaries_hold_the_prefix_state(hybrid, prompts):
     cfg = hybrid.cfg
     prompt = prompts[4]                                                       # 150 tokens
@@ -139,6 +144,7 @@ def test_memory_plan_counts_the_state_pool(hybrid):
     assert "state pool" in plan.describe()
 
 
+@pytest.mark.extended
 def test_loop_guard_inside_a_multi_step_decode_recomputes_the_state(hybrid, prompts, monkeypatch):
     """When the thinking-loop guard injects </think> in the middle of a multi-step dispatch, the rest
     of the dispatch is dropped; the recurrent state already absorbed it, so the sequence is recomputed:

@@ -29,3 +29,15 @@ def test_gguf_sampling_keys():
 def test_override_is_checked(d, msg):
     with pytest.raises(ValueError, match=msg):
         gc.check(d, "--override-generation-config")
+
+
+def test_an_alias_without_defaults_in_its_file_takes_its_cards():
+    """The default model's GGUF has no general.sampling.* keys: its card's temperature 0.2 / top_p 0.9
+    apply, said with their source; a file's own defaults win; a local path gets none."""
+    from infernix_jax.loader import _with_alias_defaults
+    gen, source = _with_alias_defaults("smollm2-135m-instruct", {})
+    assert gen == {"temperature": 0.2, "top_p": 0.9} and "model card" in source
+    assert _with_alias_defaults("smollm2-135m-instruct", {"temperature": 0.7}) == ({"temperature": 0.7},
+                                                                                   "the model's own")
+    assert _with_alias_defaults("/models/x.gguf", {}) == ({}, "")
+    gc.check(gen, "alias")                   # in range, as a file's would be

@@ -141,6 +141,7 @@ def test_a_gguf_of_mixed_blocks_served_on_its_blocks_matches_transformers(tmp_pa
         planned_gguf_bytes(str(tmp_path / "plain"), jnp.float32)
 
 
+@pytest.mark.extended
 def test_smollm2_on_its_q4_1_blocks_gives_the_logits_of_dequantizing_at_load(smollm, smollm_engine):
     from infernix_jax.engine import Engine, Request, SamplingParams
     from infernix_jax.engine.plan import params_bytes

@@ -86,6 +86,7 @@ def test_dequantize_k_and_iq_types_through_loader(tmp_path):
         np.testing.assert_array_equal(np.asarray(arr), stored[name].astype(np.float32))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_smollm2_gguf_logits_match_transformers_loading_the_same_file(smollm):
     import torch
@@ -137,6 +138,7 @@ HYBRID = {
 }
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("case", sorted(HYBRID))
 def test_hybrid_gguf_as_llama_cpp_writes_it_matches_transformers(case, tmp_path):
     """Written with llama.cpp's conversions (norms as 1 + w, ssm_a = -exp(A_log), qkvz split, value
@@ -170,3 +172,61 @@ def test_hybrid_gguf_missing_ssm_key_is_a_clear_error(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="ssm.group_count is missing"):
         load_model(str(tmp_path / "bad.gguf"), with_tokenizer=False)
+
+
+def _same_as_gguf_reader(path, nested=()):
+    """Our header reader (weights/gguf_header.py) against the gguf package's GGUFReader: every key's
+    value, every tensor's name, type, dims, offset and data. nested: keys of arrays of arrays, which
+    GGUFReader flattens (its FIXME) and we keep nested."""
+    from infernix_jax.weights.gguf_header import Header
+    ours, ref = Header(path), gguf.GGUFReader(str(path))
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    for k in nested:
+        assert [x for a in ours.fields[k] for x in a] == want[k]
+    assert {k: v for k, v in ours.fields.items() if k not in nested} == {k: v for k, v in want.items()
+                                                                         if k not in nested}
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.tensor_type, a.n_bytes, a.data_offset) == (b.tensor_type, b.n_bytes, b.data_offset), a.name
+        np.testing.assert_array_equal(a.shape, b.shape)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_header_reader_reads_what_gguf_reads(tmp_path):
+    """Every value type (scalars, strings, arrays of numbers, strings, bools and arrays), plain and
+    quantized tensors, a non-default alignment; a truncated file is a clear error."""
+    from infernix_jax.weights.gguf_header import Header
+    from infernix_jax.weights.gguf_io import open_gguf
+    rng = np.random.default_rng(5)
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200), w.add_int8("t.i8", -5), w.add_uint16("t.u16", 60000), w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000), w.add_int32("t.i32", -7), w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**60), w.add_int64("t.i64", -2**40), w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True), w.add_string("t.str", "héllo ✓")
+    w.add_array("t.strs", ["a", "", "ü" * 300] * 50)
+    w.add_array("t.ints", [int(x) for x in rng.integers(-1000, 1000, 5000)])
+    w.add_array("t.floats", [float(x) for x in rng.standard_normal(100)])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.nested", [[1, 2], [3, 4]])
+    w.add_custom_alignment(64)
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 5, 32)).astype(np.float16))
+    w.add_tensor("i32", rng.integers(0, 9, (7,)).astype(np.int32))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.Q8_0)
+    w.add_tensor("q8", q, raw_shape=q.shape, raw_dtype=Q.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_reader(path, nested=("t.nested",))
+    assert Header(path).fields["t.nested"] == [[1, 2], [3, 4]]
+    data = path.read_bytes()
+    for cut in (100, len(data) - 200):        # in the header; in the last tensor
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="truncated"):
+            open_gguf(tmp_path / "cut.gguf")
+
+
+@pytest.mark.slow
+def test_header_reader_reads_the_default_model_as_gguf_does(smollm):
+    _same_as_gguf_reader(smollm.path)

@@ -151,6 +151,7 @@ def _run(model, prompts, n=8, **kw):
     return eng, [eng.generate([Request(list(x), p)])[0] for x in prompts]      # one after another: prefix hits
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
 def test_an_engine_on_bf16p_kv_is_bit_identical_to_bf16(tiny_bf16, impl):
     rng = np.random.default_rng(6)
@@ -169,6 +170,7 @@ def test_an_engine_on_bf16p_kv_is_bit_identical_to_bf16(tiny_bf16, impl):
     assert eng.plan.block_bytes == 2 * 2 * 2 * (16 * (16 + 8 + 4) + 4 * kb.ESCAPES)
 
 
+@pytest.mark.extended
 def test_a_request_whose_kv_cannot_be_packed_fails_alone(tiny_bf16, monkeypatch):
     from infernix_jax.engine.runner import Runner
     rng = np.random.default_rng(7)
@@ -208,6 +210,7 @@ def test_a_request_whose_kv_cannot_be_packed_fails_alone(tiny_bf16, monkeypatch)
     assert victim["seq"].finish_reason == "abort" and other.out_ids == want[0].token_ids
 
 
+@pytest.mark.extended
 def test_bf16p_blocks_come_back_from_the_ssd_tier_and_the_cache_file(tiny_bf16, tmp_path):
     from infernix_jax.engine import Engine, Request, SamplingParams
     from infernix_jax.engine.host_tier import GiB
@@ -257,6 +260,7 @@ def test_the_plan_counts_the_bf16_rebuild_of_a_mixed_step(tiny_bf16):
     assert packed.workspace_bytes - plain.workspace_bytes == 2 * 4 * 64 * 16 * 2 * 16 * 2
 
 
+@pytest.mark.extended
 def test_a_hybrid_on_bf16p_kv_is_bit_identical_to_bf16(smollm):
     """A Qwen3.5 hybrid (Gated DeltaNet layers beside one attention layer) on bf16p K/V: the same
     tokens and log-probs as on BF16 K/V, the second request reusing the first's prefix."""

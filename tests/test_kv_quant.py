@@ -107,6 +107,7 @@ def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtyp
         np.testing.assert_array_equal(bits(c[:, 3]), bits(a[:, 1]))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("kv_dtype,max_kl", [("int8", 0.002), ("fp8", 0.01), ("k8v4", 0.05)])  # measured 0.0005, 0.003, 0.016
 def test_quantized_kv_costs_little_against_the_model_dtype(smollm, kv_dtype, max_kl):
     from infernix_jax.quant.quality import compare, scored, window_logprobs
@@ -147,6 +148,7 @@ def test_k8v4_blocks_of_two_sizes_stack_into_pieces():
         np.testing.assert_array_equal(v[i], bv)
 
 
+@pytest.mark.extended
 def test_k8v4_serves_prefix_hits_from_the_ram_tier(smollm):
     """Evicted blocks go to the RAM tier as bytes and come back for a request sharing the prefix."""
     from infernix_jax.engine import Engine, Request, SamplingParams

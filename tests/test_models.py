@@ -102,6 +102,7 @@ def test_prefill_then_decode_matches_transformers(pair):
     assert rel_err(ours_prefill_decode(m, tokens, 5), hf_logits(hf, tokens)) <= RTOL
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("case", ["qwen3next-4layers-k4", "qwen3_5-dense"])
 def test_hybrid_prefill_split_at_odd_positions(case, tmp_path):
     """Chunked prefill of a hybrid, cut at odd positions, carries conv and SSM state exactly."""

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.extended      # (several processes: `pytest -m extended`)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -182,6 +182,7 @@ def test_ram_tier_gives_memory_back_and_takes_it_again(caplog):
         HostTier(GiB, "sometimes")
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("decode_steps", [1, 3])
 def test_hybrid_next_turn_resumes_from_a_state_snapshot(hybrid, decode_steps):
     rng = np.random.default_rng(5)
@@ -200,6 +201,7 @@ def test_hybrid_next_turn_resumes_from_a_state_snapshot(hybrid, decode_steps):
     assert eng.bm.num_free == eng.bm.num_blocks
 
 
+@pytest.mark.extended
 def test_hybrid_reply_ending_on_a_stop_token_inside_a_dispatch_leaves_its_snapshot(hybrid):
     rng = np.random.default_rng(7)
     prompt = list(map(int, rng.integers(10, 40000, 150)))
@@ -216,6 +218,7 @@ def test_hybrid_reply_ending_on_a_stop_token_inside_a_dispatch_leaves_its_snapsh
     assert turn2.token_ids == uncached(hybrid, [follow])[0]
 
 
+@pytest.mark.extended
 def test_hybrid_snapshot_comes_back_from_the_ssd_tier(hybrid, tmp_path):
     from infernix_jax.engine.ssd_tier import SNAP
     rng = np.random.default_rng(6)
@@ -336,6 +339,7 @@ def test_ssd_write_budget_holds_and_the_ring_wraps(tmp_path):
     ssd.close()
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("disk,kv_dtype", [("fast", ""), ("slow", ""), ("fast", "int8"), ("fast", "k8v4")])
 def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path, disk, kv_dtype):
     from infernix_jax.models.paged import kv_bytes_per_block
@@ -364,6 +368,7 @@ def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path, disk,
     eng.close()
 
 
+@pytest.mark.extended
 def test_ssd_read_runs_while_others_decode(tiny, texts, tmp_path):
     import threading
     system, prompts = texts
@@ -411,6 +416,7 @@ def test_costs_read_the_disk_only_when_it_beats_computing():
     assert c.disk_pays(10 ** 9, 1000)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog, kv_dtype):
     _, prompts = texts
@@ -441,6 +447,7 @@ def test_cache_file_resumes_after_a_restart(tiny, texts, tmp_path, caplog, kv_dt
     assert run(broken, prompts[2:3])[0].token_ids == first.token_ids
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("turn", [0.0, 1.0])
 def test_requests_take_turns_under_kv_pressure(tiny, turn):
     """Four requests that need 10 blocks each in a pool of 20: with fair turns every request makes

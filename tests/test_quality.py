@@ -48,6 +48,7 @@ def test_statistics_of_identical_and_shifted_distributions():
     assert windows(list(range(100)), 40, 60) == [list(range(40)), list(range(40, 60))]
 
 
+@pytest.mark.extended
 def test_quality_cli_measures_routes_and_floors(smollm, tmp_path, capsys):
     from scripts.quality import main
     text = tmp_path / "text.txt"

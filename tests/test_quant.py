@@ -109,6 +109,7 @@ def test_quantized_smollm_stays_close_to_the_exact_model(smollm, exact_logprobs,
     assert top >= TOP_BOUND[fmt], top
 
 
+@pytest.mark.extended
 def test_a_quantized_model_serves_and_plans_smaller(smollm):
     import dataclasses
     from infernix_jax.engine import Engine, Request, SamplingParams
@@ -152,6 +153,7 @@ def test_bf16p_needs_bfloat16(smollm):
         load_model(str(smollm.path), weights="bf16p")
 
 
+@pytest.mark.extended
 def test_bf16p_model_is_bit_identical_to_plain_bf16(smollm):
     from infernix_jax.engine import Engine, Request, SamplingParams
     from infernix_jax.loader import load_model
@@ -171,6 +173,7 @@ def test_bf16p_model_is_bit_identical_to_plain_bf16(smollm):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.extended
 def test_bf16p_saves_device_memory_at_run_time(smollm):
     """The plan counts 12 bits a weight: the compiled decode must not hold every layer unpacked at
     once beside the packed form (XLA would unpack them all up front; layers._after orders them)."""

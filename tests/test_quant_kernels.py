@@ -51,6 +51,7 @@ def assert_matches_reference(q, M: int, dtype, bs, interpret: bool, seed: int):
     assert err <= TOL[dtype], err
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_matmul_lowers_to_triton_for_the_gpu(fmt):
     """Pallas's lowering to Triton runs on the CPU: decode and prefill tiles of a qwen3-8b

@@ -226,6 +226,7 @@ def test_deep_nesting_is_refused(server_url):
     assert r.status_code == 400
 
 
+@pytest.mark.extended
 def test_32_streams_8_walk_away_all_blocks_come_back(server_url):
     """32 concurrent streaming clients, 8 of which disconnect mid-way: the other 24 complete, the 8 are
     cancelled (499; they asked for 4000 tokens each, minutes of work had they run on), and afterwards

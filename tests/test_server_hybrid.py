@@ -28,6 +28,7 @@ def hybrid_url(hybrid_gguf, tmp_path_factory):
                             "--served-model-name", "tiny-qwen35")
 
 
+@pytest.mark.extended
 def test_hybrid_gguf_serves_concurrent_chats(hybrid_url):
     client = openai.OpenAI(base_url=hybrid_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     assert [m.id for m in client.models.list().data] == ["tiny-qwen35"]

@@ -83,6 +83,7 @@ def test_dense_greedy_tokens_match_one_device(dense, prompts, par):
     assert tokens(dense, prompts, par)[0] == one
 
 
+@pytest.mark.extended
 def test_attention_kernels_run_on_each_device_s_heads(dense, prompts, monkeypatch):
     """The Pallas attention kernels (interpreted) on a mesh: each device runs them on its own query
     and KV heads (sharding.on_heads), with the pool's shards as they are: the tokens of one device."""
@@ -96,6 +97,7 @@ def test_attention_kernels_run_on_each_device_s_heads(dense, prompts, monkeypatc
     assert calls and calls[0][1] == P("tensor")           # the pools went in split by KV head
 
 
+@pytest.mark.extended
 def test_moe_greedy_tokens_match_one_device_with_expert_parallel(smollm, prompts):
     moe = tiny(smollm, seed=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                decoder_sparse_step=1)
@@ -108,6 +110,7 @@ def test_moe_greedy_tokens_match_one_device_with_expert_parallel(smollm, prompts
     assert e_gate.addressable_shards[0].data.shape == (4, 8, 64)
 
 
+@pytest.mark.extended
 def test_hybrid_greedy_tokens_match_one_device(smollm, prompts):
     from test_engine_hybrid import tiny_hybrid
     model = tiny_hybrid("qwen3_5", smollm.tokenizer, smollm.cfg.vocab_size)
@@ -116,6 +119,7 @@ def test_hybrid_greedy_tokens_match_one_device(smollm, prompts):
         assert tokens(model, prompts, par)[0] == one, par
 
 
+@pytest.mark.extended
 def test_quantized_weights_split_array_by_array(dense, prompts, monkeypatch):
     """Quantized weights split with all their arrays (codes, scales, zero points); on the mesh the
     dequantizing kernel (interpreted) runs on each device's shard: column-parallel q/k/v and gate/up,
@@ -166,6 +170,7 @@ def test_clear_errors(dense):
         Engine(fused, max_num_seqs=1, max_model_len=64, parallel=Parallel(2))
 
 
+@pytest.mark.extended
 def test_prefix_cache_tiers_and_snapshots_on_a_mesh(dense, smollm):
     """Blocks split by KV head go to the RAM tier and come back into their shards (the pool keeps
     its sharding), and a hybrid's state snapshot resumes a cached prefix: the same tokens as one
@@ -196,6 +201,7 @@ def test_prefix_cache_tiers_and_snapshots_on_a_mesh(dense, smollm):
     assert [r.token_ids for r in eng.generate([Request(q, p) for q in prompts])] == want
 
 
+@pytest.mark.extended
 def test_the_loader_puts_each_tensor_straight_into_its_shards(smollm, prompts):
     """load_model(parallel=...): the real model's tensors split as they load (SmolLM2: 9 heads and 3
     KV heads over 3 devices; the FFN and vocabulary too), not fused, the same tokens as one device."""
@@ -209,6 +215,7 @@ def test_the_loader_puts_each_tensor_straight_into_its_shards(smollm, prompts):
     assert tokens(split, short, Parallel(3), n=4)[0] == tokens(smollm, short, n=4)[0]
 
 
+@pytest.mark.extended
 def test_the_scaling_bench_runs_each_tensor_parallel_size(tmp_path, monkeypatch):
     """`infernix-bench shapes --tp 1,2` (here on CPU devices, where the numbers mean nothing): each
     size decodes and prefills, and its efficiency is reported against the first."""

@@ -106,6 +106,7 @@ UNION_TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     {"type": "object", "properties": {"query": {"type": "string", "maxLength": 20}}, "required": ["query"]}]}}}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("tool", [XML_TOOL, UNION_TOOL, WEATHER])
 def test_forced_call_in_the_xml_format_follows_the_schema(smollm_engine, smollm, tool):
     """The Qwen3-Coder / Qwen3.5 format: the tiny model, forced by the grammar, writes a call whose

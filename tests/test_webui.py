@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.extended      # (headless Chromium: `pytest -m extended`)
+
 from conftest import start_server
 
 CHROMIUM = os.environ.get("INFERNIX_CHROMIUM", "/usr/bin/chromium")

@@ -23,7 +23,7 @@ from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan, params_bytes
 from .request import Event, Request, Result, SamplingParams
 from .runner import STOP_WIDTH, Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
-from . import cache_file
+from . import cache_file, shapes
 from .prefix_cache import PrefixCache
 from .ssd_tier import SSDTier
 from .scheduler import Scheduler
@@ -62,7 +62,7 @@ class Engine:
                  state_snapshots: int | None = None, prefix_cache: bool = True, prefix_cache_ram_gib: float = 0.0,
                  ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
                  ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
-                 kv_dtype: str = "", parallel: Parallel | None = None):
+                 kv_dtype: str = "", parallel: Parallel | None = None, shapes_dir: str | None = None):
         from ..models.paged import check_kv_dtype
         check_kv_dtype(kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
         if distributed.several():
@@ -129,6 +129,19 @@ class Engine:
         self._inbox: queue.Queue[Request | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # warm-up (shapes.py): the step shapes earlier runs of this same engine met, kept beside JAX's
+        # compilation cache; the server says it is ready once `warm_state` is done
+        self.shape_limits = shapes.Limits(max_num_seqs, budget, block_size, self.max_context, steps,
+                                          self.runner.table_width, self.max_prefill_rows)
+        identity = json.dumps([self.fingerprint, self.plan.num_blocks, max_num_seqs, budget, steps, self.max_context,
+                               impl, kv_dtype, str(parallel), chunked_prefill])
+        # shapes_dir: where that record lives (default: JAX's compilation cache directory, none when off)
+        self.earlier_shapes = self.runner.shapes.attach(shapes_dir or jax.config.jax_compilation_cache_dir, identity)
+        self._warm_queue: list[tuple] = []
+        self._idle_keys: list[tuple] = []
+        self._warm_t0 = 0.0
+        self.ready = threading.Event()
+        self.warm_state = {"done": 0, "total": 0, "seconds": 0.0}
 
     @staticmethod
     def _weights_bytes(model: LoadedModel, parallel: Parallel | None) -> int:
@@ -181,6 +194,7 @@ class Engine:
         """Save the prefix cache (with --prefix-cache-file) and stop the SSD writer; on several hosts
         the leader releases the followers. Idempotent."""
         self.runner.release()
+        self.runner.shapes.save()
         cache, path = self.cache, self.cache_file
         self.cache_file = None
         if cache is None:
@@ -198,11 +212,38 @@ class Engine:
             cache.ssd.close()
             cache.ssd = cache.host.on_drop = None
 
-    def warmup(self) -> int:
-        """Compile all step shapes now (slow on the CPU for big models; cheap insurance on GPUs)."""
-        sch = self.scheduler
-        max_blocks = self.bm.blocks_for(self.max_context + sch.decode_steps)
-        return self.runner.warmup(sch.max_num_seqs, sch.budget, max_blocks, sch.decode_steps, self.max_prefill_rows)
+    def warmup(self, level: str = "full") -> int:
+        """Compile the step shapes of a warm-up level now (shapes.py; synchronous: scripts and tests;
+        the server warms up on its device thread, see start()): "basic", the shapes a first session
+        meets; "full", every shape the limits allow (slow on the CPU for big models); "none".
+        Returns how many."""
+        keys = self.warm_keys(level)
+        for key in keys:
+            self._warm_one(key)
+        if keys:
+            self._warmed()
+        return len(keys)
+
+    def _warmed(self) -> None:
+        jax.random.key_data(jax.random.PRNGKey(0))        # (each request's seed key: add())
+        self.runner.done_warming()
+
+    def warm_keys(self, level: str) -> list[tuple]:
+        if level not in ("basic", "full", "none"):
+            raise ValueError(f"unknown warm-up level {level!r}: basic, full or none")
+        if level == "none":
+            return []
+        keys = shapes.every(self.shape_limits) if level == "full" else shapes.first_session(self.shape_limits)
+        if self.cache is None:
+            keys = [k for k in keys if k[0] != "copy"]
+        return keys
+
+    def _warm_one(self, key: tuple) -> None:
+        try:
+            self.runner.warm(key)
+        except Exception as e:  # noqa: BLE001  (a shape that cannot run here: requests will say so)
+            log.warning("warm-up: step shape %s failed: %s", key, e)
+            self.runner.reset_kv()          # (a failed dispatch may have consumed the donated pool)
 
     # ---- admission -----------------------------------------------------------------------------
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
@@ -377,9 +418,18 @@ class Engine:
                 for s in seqs]
 
     # ---- device thread (server) ----------------------------------------------------------------
-    def start(self, warmup: bool = True) -> None:
-        if warmup:
-            self._inbox.put(Request(prompt_ids=[0] * 20, params=SamplingParams(max_tokens=2, temperature=0.0)))
+    def start(self, warmup: str | bool = "basic") -> None:
+        """Run the engine on its device thread. It warms up (`warmup`: a level of warmup(); True is
+        "basic", False "none") whenever no request is waiting, one step shape at a time (a request
+        that comes meanwhile waits for at most one), and sets `ready` once that level is warm; then,
+        still only while idle, the shapes earlier runs met."""
+        level = {True: "basic", False: "none"}.get(warmup, warmup)
+        before = self.warm_keys(level)
+        self._warm_queue = list(before)
+        self._idle_keys = [k for k in self.earlier_shapes if k not in set(before)] if level != "none" else []
+        self.warm_state.update(done=0, total=len(before))
+        if not before:
+            self.ready.set()
         self._thread = threading.Thread(target=self._loop, name="infernix-device", daemon=True)
         self._thread.start()
 
@@ -411,8 +461,37 @@ class Engine:
                 if req.on_event:
                     req.on_event(Event("error", message=str(e)))
 
+    def _warm_while_idle(self) -> bool:
+        """Warm one step shape if nothing waits (the start-up level first, then the shapes earlier
+        runs met); False when there is nothing left to warm or work came in."""
+        if not (self._warm_queue or self._idle_keys) or self.scheduler.has_work():
+            return False
+        self._take_inbox(block=False)
+        if self.scheduler.has_work() or self._stopping:
+            return False
+        if self._warm_queue:
+            if self.warm_state["done"] == 0:
+                self._warm_t0 = time.perf_counter()
+            self._warm_one(self._warm_queue.pop(0))
+            w = self.warm_state
+            w["done"] += 1
+            w["seconds"] = round(time.perf_counter() - self._warm_t0, 1)
+            if not self._warm_queue:
+                self._warmed()
+                log.info("warm-up: %d step shapes in %.1f s; ready", w["total"], w["seconds"])
+                self.ready.set()
+            elif w["done"] % 5 == 0:
+                log.info("warm-up: %d of %d step shapes (%.0f s)", w["done"], w["total"], w["seconds"])
+        else:
+            self._warm_one(self._idle_keys.pop(0))
+        return True
+
     def _loop(self) -> None:
         while not self._stopping:
+            if self._warm_while_idle():
+                continue
+            if not self.scheduler.has_work():
+                self.runner.shapes.save()          # (while idle: a new shape is remembered for next start)
             self._take_inbox(block=not self.scheduler.has_work())
             if self._stopping:
                 break

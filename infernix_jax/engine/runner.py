@@ -12,7 +12,7 @@ from ..models.hybrid_paged import StateRows
 from ..models.paged import PagedKV, init_paged_kv
 from ..quant.apply import with_impl
 from .. import distributed, sharding
-from . import steps
+from . import shapes, steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
 from .sequence import Sequence
 
@@ -27,6 +27,10 @@ class StepOutput:
 log = logging.getLogger("infernix.engine")
 
 STOP_WIDTH = 8        # stop token ids per row the device checks (a fixed width: no recompiles)
+# Block tables are at least this many tokens wide: fewer shapes to compile (a chat's first 256 tokens
+# share one), for little work (the kernels stop at each row's length; the CPU's reference reads the
+# padding, a few MiB a step for a small model)
+MIN_TABLE_TOKENS = 256
 
 
 _any = jax.jit(jnp.any)
@@ -52,6 +56,7 @@ class Runner:
         self.state_slots = state_slots if self.hybrid else 0
         self.max_context = max_context or self.cfg.max_position_embeddings     # outputs end there (_ends)
         self._op_reset_kv()
+        self.shapes = shapes.Seen()          # the step shapes run so far (warm-up replays them next start)
         # several hosts (distributed.py): the leader's device calls go to every other process, which
         # replays them (follow); all built the same engine first
         self.channel = distributed.Channel() if distributed.several() else None
@@ -83,14 +88,20 @@ class Runner:
             self.channel.send(None)
             self.channel = None
 
-    def _op_mixed(self, *args, **kw):
-        with sharding.use(self.mesh):
-            out, self.kv = steps.mixed_step(self.params, self.cfg, self.kv, *args, **kw)
-        return out
+    def _op_mixed(self, *args, compile_only: bool = False, **kw):
+        return self._step(steps.mixed_step, args, kw, compile_only)
 
-    def _op_decode(self, *args, **kw):
+    def _op_decode(self, *args, compile_only: bool = False, **kw):
+        return self._step(steps.decode_steps, args, kw, compile_only)
+
+    def _step(self, fn, args, kw, compile_only: bool):
+        """Run a jitted step on the pool; compile_only: compile it for these arguments (filling jit's
+        cache, or reading the persistent compilation cache) without running it."""
         with sharding.use(self.mesh):
-            out, self.kv = steps.decode_steps(self.params, self.cfg, self.kv, *args, **kw)
+            if compile_only:
+                fn.lower(self.params, self.cfg, self.kv, *args, **kw).compile()
+                return None
+            out, self.kv = fn(self.params, self.cfg, self.kv, *args, **kw)
         return out
 
     def _op_copy_blocks(self, pairs):
@@ -195,18 +206,21 @@ class Runner:
         return ThinkGuard(open=is_open, enabled=enabled, banned=np.asarray(banned, np.int32),
                           start=np.int32(start), end=np.int32(end))
 
-    def _allowed(self, plan, B: int) -> np.ndarray | None:
-        """Token bitmasks of constrained rows that sample this step (None when no row is constrained)."""
-        if not any(s.constraint is not None for s, _ in plan):
-            return None
+    def _allowed(self, plan, B: int) -> np.ndarray:
+        """Token bitmasks of the rows (all ones but for constrained rows that sample this step: one
+        compiled step whether or not a row is constrained)."""
         mask = np.full((B, (self.cfg.vocab_size + 31) // 32), -1, np.int32)
         for i, (s, n) in enumerate(plan):
             if s.constraint is not None and s.num_computed + n == len(s):     # this row samples a token
                 s.constraint.fill(mask, i)
         return mask
 
+    def table_width(self, blocks: int) -> int:
+        """The bucketed width M of a block table for rows of up to `blocks` blocks."""
+        return steps.bucket(blocks, minimum=max(1, MIN_TABLE_TOKENS // self.block_size))
+
     def _block_table(self, seqs: list[Sequence], B: int) -> np.ndarray:
-        M = steps.bucket(max(len(s.block_ids) for s in seqs), minimum=1)
+        M = self.table_width(max(len(s.block_ids) for s in seqs))
         bt = np.zeros((B, M), np.int32)
         for i, s in enumerate(seqs):
             bt[i, :len(s.block_ids)] = s.block_ids
@@ -214,12 +228,13 @@ class Runner:
 
     def run(self, plan: list[tuple[Sequence, int]], num_steps: int) -> list[StepOutput]:
         seqs = [s for s, _ in plan]
-        want_top = any(s.params.logprobs for s in seqs)
         if num_steps > 1:
-            return self._decode(seqs, num_steps, want_top)
-        return self._mixed(plan, want_top)
+            return self._decode(seqs, num_steps, any(s.params.logprobs for s in seqs))
+        return self._mixed(plan)
 
-    def _mixed(self, plan, want_top: bool) -> list[StepOutput]:
+    def _mixed(self, plan) -> list[StepOutput]:
+        """A ragged step; it always returns the top log-probabilities (one compiled form whether a
+        row asks for them or not: mixed steps are prefill-sized, where they cost little)."""
         seqs = [s for s, _ in plan]
         n_real = sum(n for _, n in plan)
         N = steps.bucket(n_real)
@@ -243,10 +258,12 @@ class Runner:
             logits_idx[i] = off + n - 1
             off += n
         sampling, st = self._sampling(seqs, B)
-        out = self._device("mixed", tokens, positions, slots, self._block_table(seqs, B), kv_lens, cu_q, logits_idx,
-                           st, sampling, attn_impl=self.attn_impl, want_top=want_top,
-                           penalties=self._penalties(seqs, B), allowed=self._allowed(plan, B),
-                           guard=self._guard(seqs, B), rows=self._state_rows(plan, B, N))
+        bt, pen, allowed, rows = self._block_table(seqs, B), self._penalties(seqs, B), self._allowed(plan, B), \
+            self._state_rows(plan, B, N)
+        self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, rows))
+        out = self._device("mixed", tokens, positions, slots, bt, kv_lens, cu_q, logits_idx,
+                           st, sampling, attn_impl=self.attn_impl, want_top=True,
+                           penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows)
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
 
@@ -260,9 +277,11 @@ class Runner:
             positions[i] = len(s) - 1
             valid[i] = True
         sampling, st = self._sampling(seqs, B)
-        out = self._device("decode", tokens, positions, self._block_table(seqs, B), valid, st, sampling,
+        bt, pen = self._block_table(seqs, B), self._penalties(seqs, B)
+        self.shapes.seen(shapes.decode(B, bt.shape[1], k, want_top, pen))
+        out = self._device("decode", tokens, positions, bt, valid, st, sampling,
                            num_steps=k, attn_impl=self.attn_impl, want_top=want_top,
-                           penalties=self._penalties(seqs, B), guard=self._guard(seqs, B),
+                           penalties=pen, guard=self._guard(seqs, B),
                            rows=self._state_rows([(s, 1) for s in seqs], B, B), **self._ends(seqs, B))
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
         return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
@@ -278,50 +297,45 @@ class Runner:
             remaining[i] = s.tokens_left(self.max_context)
         return {"stop_ids": stop_ids, "remaining": remaining}
 
-    def warmup(self, max_num_seqs: int, token_budget: int, max_blocks_per_seq: int, decode_steps: int,
-               max_prefill_rows: int | None = None) -> int:
-        """Compile every bucketed shape the scheduler can produce under these limits, so that serving
-        never compiles. Returns the number of shapes visited."""
-        bucket = steps.bucket
-        Ns = _pow2_range(16, bucket(token_budget))
-        Bs = _pow2_range(1, bucket(max_num_seqs, minimum=1))
-        Ms = _pow2_range(1, bucket(max_blocks_per_seq, minimum=1))
-        dropped = self.num_blocks * self.block_size
-        n = 0
-        for B in Bs:
-            sampling = SamplingArrays.greedy(B)
+    # ---- warm-up: run a step of each shape (key: engine/shapes.py) so that serving never compiles ------
+    def warm(self, key: tuple) -> None:
+        """Compile the step of shape `key` (or read it back from the persistent compilation cache)
+        without running it, so that the first step of that shape does not wait."""
+        if key[0] == "copy":
+            self.kv = self._device("copy_blocks", [])         # the prefix cache's copy-on-write
+            return
+        if key[0] == "decode":
+            _, B, M, k, want_top, pen = key
             zeros_b = np.zeros((B,), np.int32)
-            for M in Ms:
-                bt = np.zeros((B, M), np.int32)
-                for N in (N for N in Ns if N >= B):
-                    for rows in self._warmup_rows(B, N, max_prefill_rows or max_num_seqs):
-                        self._device(
-                            "mixed", np.zeros((N,), np.int32), np.zeros((N,), np.int32),
-                            np.full((N,), dropped, np.int32), bt, np.ones((B,), np.int32),
-                            np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, sampling, attn_impl=self.attn_impl,
-                            want_top=False, penalties=None, allowed=None, guard=self._guard([], B), rows=rows)
-                        n += 1    # (the same keywords as run(): jit keys its cache on them)
-                if decode_steps > 1:
-                    self._device(
-                        "decode", zeros_b, zeros_b, bt, np.zeros((B,), bool), zeros_b,
-                        sampling, num_steps=decode_steps, attn_impl=self.attn_impl, want_top=False,
-                        penalties=None, guard=self._guard([], B), rows=self._warmup_rows(B, B, 0)[0],
-                        **self._ends([], B))
-                    n += 1
-        jax.block_until_ready(self.kv.k[0])
-        return n
+            self._device("decode", zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
+                         SamplingArrays.greedy(B), num_steps=k, attn_impl=self.attn_impl, want_top=want_top,
+                         penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
+                         rows=self._padding_rows(B, B, 0), compile_only=True, **self._ends([], B))
+            return
+        _, N, B, M, pen, Bp = key
+        zeros_b = np.zeros((B,), np.int32)
+        self._device("mixed", np.zeros((N,), np.int32), np.zeros((N,), np.int32),
+                     np.full((N,), self.num_blocks * self.block_size, np.int32), np.zeros((B, M), np.int32),
+                     np.ones((B,), np.int32), np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b,
+                     SamplingArrays.greedy(B), attn_impl=self.attn_impl, want_top=True,
+                     penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size),
+                     allowed=self._allowed([], B), guard=self._guard([], B), rows=self._padding_rows(B, N, Bp),
+                     compile_only=True)
+        # (the same keywords as run(): jit keys its cache on them)
 
-    def _warmup_rows(self, B: int, N: int, max_prefill_rows: int) -> list:
-        """Every StateRows shape a step of B rows over N tokens can have (all padding: no state moves)."""
+    def done_warming(self) -> None:
+        jax.block_until_ready(self.kv.k[0])
+
+    def _padding_rows(self, B: int, N: int, Bp: int) -> StateRows | None:
+        """Hybrids: StateRows of B rows over N tokens, Bp of them feeding several (0: none; all padding)."""
         if not self.hybrid:
-            return [None]
+            return None
         S = self.state_slots
         dec = (np.full((B,), N, np.int32), np.full((B,), S, np.int32), np.zeros((B,), bool))
-        out = [StateRows(*dec)]
-        for Bp in _pow2_range(1, steps.bucket(min(B, max_prefill_rows), minimum=1)) if max_prefill_rows else ():
-            out.append(StateRows(*dec, np.full((Bp, N), N, np.int32), np.zeros((Bp,), np.int32),
-                                 np.full((Bp,), S, np.int32), np.zeros((Bp,), bool)))
-        return out
+        if not Bp:
+            return StateRows(*dec)
+        return StateRows(*dec, np.full((Bp, N), N, np.int32), np.zeros((Bp,), np.int32),
+                         np.full((Bp,), S, np.int32), np.zeros((Bp,), bool))
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder as a pure function over a params pytree.
 
 Layers are a Python loop (unrolled at trace time): scanning over stacked layer weights costs about
-2x at decode on the GPU (DESIGN.md), and per-layer arrays keep loading and sharding simple."""
+2x at decode on the GPU (a plain jitted Qwen3-8B decode step on an H200, 2026-12-02: 76 tok/s with
+lax.scan, 167 unrolled), and per-layer arrays keep loading and sharding simple."""
 from __future__ import annotations
 
 import jax

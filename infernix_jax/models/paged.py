@@ -12,6 +12,7 @@ from pallas_kernels import kv_bf16p
 from pallas_kernels import kv_quant as kq
 from pallas_kernels import paged_attention as pa
 
+from .. import choices
 from ..config import ModelConfig
 from ..sharding import on_heads
 from .llama import decoder
@@ -53,6 +54,7 @@ def num_attention_layers(cfg: ModelConfig) -> int:
 
 # --kv-dtype -> (key format, value format) of kv_quant (bf16p: kv_bf16p, lossless)
 KV_DTYPES = {"int8": ("int8", "int8"), "fp8": ("fp8", "fp8"), "k8v4": ("int8", "int4"), "bf16p": ("bf16p", "bf16p")}
+assert tuple(KV_DTYPES) == choices.KV_DTYPES, "choices.KV_DTYPES is what --kv-dtype offers"
 
 
 def check_kv_dtype(kv_dtype: str, head_dim: int | None = None, dtype=None) -> None:

@@ -1,9 +1,7 @@
 """Quantized weight formats: the arrays, quantize / dequantize, and the reference matmul."""
 from .formats import FORMATS, QTensor, dequantize, quantize  # noqa: F401
 
-# what --weights takes: the lossy formats, bf16p (lossless 12-bit packing, quant/packed.py) and gguf
-# (a GGUF file's own quantized blocks kept as they are, quant/ggml.py)
-WEIGHT_FORMATS = (*FORMATS, "bf16p", "gguf")
+from ..choices import WEIGHT_FORMATS  # noqa: F401,E402  (what --weights takes)
 
 
 def check_weights(weights: str | None, dtype: str, stored: str = "", where: str = "") -> None:

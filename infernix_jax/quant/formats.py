@@ -24,7 +24,8 @@ from flax import struct
 
 from pallas_kernels.ggml_blocks import LAYOUT, decode
 
-FORMATS = ("int8", "fp8", "fp8b", "mxfp8", "int4", "nvfp4")
+from ..choices import LOSSY_FORMATS as FORMATS  # (the names --weights offers)
+
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0
 E2M1_MAX = 6.0

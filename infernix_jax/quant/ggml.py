@@ -15,9 +15,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pallas_kernels.ggml_blocks import LAYOUT, block
 
+from .. import choices
 from .formats import QTensor
 
 GGML_FORMATS = tuple(LAYOUT)
+assert GGML_FORMATS == choices.GGML_FORMATS, "choices.GGML_FORMATS is what the command lines offer"
 # bytes of one ggml block, per type
 _BYTES = {f: GGML_QUANT_SIZES[GGMLQuantizationType[f.upper()]][1] for f in GGML_FORMATS}
 

@@ -10,8 +10,7 @@ from tqdm import tqdm
 from ..models.params import ParamSpec
 
 
-class ModelLoadError(RuntimeError):
-    """A model that cannot be loaded; the message names the problem and the fix."""
+from ..errors import ModelLoadError  # noqa: F401  (re-exported: where the loaders raise it)
 
 
 def materialize(specs, fetch: Callable[[ParamSpec], np.ndarray], dtype, desc: str = "loading",

@@ -1,4 +1,4 @@
-"""GGUF files through the `gguf` package: metadata, and every tensor type it can dequantize."""
+"""GGUF files: the header (gguf_header.py), and every tensor type the `gguf` package can dequantize."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,13 +10,13 @@ from ..models.params import ParamSpec
 from ..quant.ggml import GGML_FORMATS, from_blocks
 from . import gguf_fixes
 from .common import ModelLoadError
+from .gguf_header import Header
 
 _ARRAY_KEYS_SKIPPED = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                        "tokenizer.ggml.scores"}
 
 
-def open_gguf(path: str | Path):
-    import gguf
+def open_gguf(path: str | Path) -> Header:
     p = Path(path)
     if p.stat().st_size < 24:
         raise ModelLoadError(f"{p} is too small to be a GGUF file; it is truncated: re-download it")
@@ -25,27 +25,15 @@ def open_gguf(path: str | Path):
     if magic != b"GGUF":
         raise ModelLoadError(f"{p} is not a GGUF file (bad magic {magic!r}); pass a .gguf model file")
     try:
-        return gguf.GGUFReader(str(p))
+        return Header(p)
     except Exception as e:  # truncated tensor data or header: numpy/struct errors of many kinds
         raise ModelLoadError(f"{p} is a corrupt or truncated GGUF file ({type(e).__name__}: {e}); "
                              f"re-download it") from None
 
 
-def field_value(field) -> Any:
-    return field.contents()
-
-
-def read_metadata(reader, full_arrays: bool = False) -> dict[str, Any]:
+def read_metadata(reader: Header, full_arrays: bool = False) -> dict[str, Any]:
     """GGUF key/values as Python values; the large tokenizer arrays only when asked for."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key in _ARRAY_KEYS_SKIPPED and not full_arrays:
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # fields gguf cannot decode are not ones we read
-            continue
-    return out
+    return {k: v for k, v in reader.fields.items() if full_arrays or k not in _ARRAY_KEYS_SKIPPED}
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -56,7 +44,7 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class GGUFSource:
-    def __init__(self, reader):
+    def __init__(self, reader: Header):
         import gguf
         self._gguf = gguf
         self.reader = reader

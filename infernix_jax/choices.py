@@ -1,0 +1,13 @@
+"""What the command lines offer, with no heavy imports (so that --help answers at once). The
+tables that implement each choice check at import that they offer exactly these names."""
+from __future__ import annotations
+
+# --weights: the lossy formats (quant/formats.py), bf16p (lossless 12-bit packing, quant/packed.py)
+# and gguf (a GGUF file's own quantized blocks kept as they are, quant/ggml.py)
+LOSSY_FORMATS = ("int8", "fp8", "fp8b", "mxfp8", "int4", "nvfp4")
+WEIGHT_FORMATS = (*LOSSY_FORMATS, "bf16p", "gguf")
+# --kv-dtype (models/paged.py KV_DTYPES)
+KV_DTYPES = ("int8", "fp8", "k8v4", "bf16p")
+# GGUF block types kept as they are by --weights gguf, and what `infernix-bench shapes --weights` also
+# takes as random blocks (pallas_kernels/ggml_blocks.py LAYOUT)
+GGML_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "iq4_xs")
