@@ -79,17 +79,39 @@ def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, s
 
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale=None, k_scale=None,
-                                     v_scale=None, fmts=None, k_esc=None, v_esc=None):
+                                     v_scale=None, fmts=None, k_esc=None, v_esc=None, multi_rows=None):
     """q [N, nH, hd] -> [N, nH, hd], causal within each sequence. Rows past cu_q[B] are padding
-    (their output is zero). Costs B x N x S scores: a reference, not a fast path. Quantized pools:
-    as paged_decode_attention_reference."""
+    (their output is zero). Quantized pools: as paged_decode_attention_reference.
+
+    Costs B x N x S scores: every row is given all N query slots. multi_rows [Bp] int32 (ids of the
+    rows that may hold several queries, padded with B; None: any row may) cuts that to Bp x N x S
+    plus B x S: the other rows hold one query each and attend as decodes (a step of one prompt chunk
+    beside seven decodes: 8x less work)."""
+    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, fmts=fmts, k_esc=k_esc, v_esc=v_esc)
+    q_lens = cu_q[1:] - cu_q[:-1]                                                  # [B]
+    if multi_rows is None:
+        return _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, cu_q[:-1], q_lens, **kw)
+    N, B = q.shape[0], kv_lens.shape[0]
+    last = jnp.clip(cu_q[1:] - 1, 0, N - 1)                                        # each row's last query
+    one = paged_decode_attention_reference(q[last], k_pool, v_pool, block_tables, kv_lens, **kw)   # [B, nH, hd]
+    out = jnp.zeros_like(q).at[jnp.where(q_lens == 1, last, N)].set(one, mode="drop")
+    if multi_rows.shape[0]:
+        sel, real = jnp.clip(multi_rows, 0, B - 1), multi_rows < B
+        out = out + _ragged_rows(q, k_pool, v_pool, block_tables[sel], kv_lens[sel], cu_q[sel],
+                                 jnp.where(real & (q_lens[sel] > 1), q_lens[sel], 0), **kw)
+    return out
+
+
+def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale=None, k_scale=None,
+                 v_scale=None, fmts=None, k_esc=None, v_esc=None):
+    """Rows b of q_lens[b] queries from flat index starts[b] (their K/V by block_tables [R, M],
+    kv_lens [R]) -> [N, nH, hd] with their outputs (zero elsewhere)."""
     N, nH, hd = q.shape
     B = kv_lens.shape[0]
     nKV = k_pool.shape[0]
     scale = hd ** -0.5 if scale is None else scale
-    q_lens = cu_q[1:] - cu_q[:-1]                                                  # [B]
     t = jnp.arange(N)
-    idx = cu_q[:-1, None] + t[None, :]                                             # [B, N]
+    idx = starts[:, None] + t[None, :]                                             # [B, N]
     valid = t[None, :] < q_lens[:, None]
     qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, N, nKV, nH // nKV, hd)              # [B, N, nKV, G, hd]
     K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype, k_esc, v_esc)

@@ -12,6 +12,9 @@
   infernix-bench serve [--starts 2] [--clients 1,8]
       the server over HTTP: start-up (first start compiling, then from the compilation cache), the
       first answer against the next, throughput of several clients against one (bench_serve.py)
+  infernix-bench steps [--batches 1,8] [--prefill-lens 64,512] [--contexts 256]
+      the reference attention's cost: a mixed step of a prompt chunk beside decodes, rows laid out
+      against every row ragged (bench_steps.py)
 
 Results and the commands that produced them: docs/benchmarks.md."""
 from __future__ import annotations
@@ -74,7 +77,7 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul", "moe", "serve"],
+    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul", "moe", "serve", "steps"],
                    help="decode: a real model on this machine vs transformers; shapes: random weights at "
                         "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
                         "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py; prefix: time to "
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
                         "see scripts/bench_moe.py; "
                         "qmatmul: the fused dequantizing matmul at a shape's projections against bf16 (GPU), "
                         "see scripts/bench_quant.py; serve: the server's start-up and its throughput under "
-                        "several clients, see scripts/bench_serve.py")
+                        "several clients, see scripts/bench_serve.py; steps: the reference attention's mixed steps, "
+                        "see scripts/bench_steps.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
                                                           "qwen3-30b-a3b, qwen3.5-27b, qwen3.5-35b-a3b")
     p.add_argument("--batches", default="1,8,32,64,128")
@@ -140,6 +144,18 @@ def main(argv=None) -> int:
             cache = a.compile_cache if a.compile_cache not in (None, "off") else None
             bench_serve.run(a.model, a.starts, cache, clients, a.requests, a.new_tokens, a.out,
                             [] if a.dtype is None else ["--dtype", a.dtype])
+            return 0
+        if a.what == "steps":
+            from scripts import bench_steps
+            from infernix_jax.loader import load_model
+            ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+            batches = "1,8" if a.batches == p.get_default("batches") else a.batches
+            lens = "64,512" if a.prefill_lens == p.get_default("prefill_lens") else a.prefill_lens
+            context = 256 if a.contexts == p.get_default("contexts") else ints(a.contexts)[0]
+            cases = [(N, B) for B in ints(batches) for N in ints(lens) if N >= B]
+            if not cases:
+                raise ValueError("steps: no case has --prefill-lens >= --batches")
+            bench_steps.run(load_model(a.model, dtype=a.dtype, weights=a.weights), cases, context, a.out)
             return 0
         if a.what == "gdn":
             from scripts import bench_gdn

@@ -195,3 +195,16 @@ def test_progress_lines_off_a_terminal(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("infernix-x: 1/3 items (33%)") and "left" in err[0]
     assert err[-1].startswith("infernix-x: 3/3 items (100%)") and len(err) == 4
+
+
+def test_bench_steps_times_both_layouts(tmp_path, smollm, capsys):
+    """infernix-bench steps: each case prints both timings and its ratio, and writes them as JSON."""
+    from scripts import bench
+    assert bench.main(["steps", "--batches", "2", "--prefill-lens", "16", "--contexts", "32",
+                       "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"15-token chunk beside 1 decodes .* ragged [\d.]+ ms, rows laid out [\d.]+ ms \([\d.]+x\)", out)
+    rows = json.loads((tmp_path / "steps.json").read_text())["rows"]
+    assert rows[0]["N"] == 16 and rows[0]["every_row_ms"] > 0 and rows[0]["laid_out_ms"] > 0
+    assert rows[1]["decode_B"] == 2
+    assert bench.main(["steps", "--batches", "8", "--prefill-lens", "4"]) == 2        # no case: one-line error

@@ -118,6 +118,33 @@ def test_ragged_paged_attention(case, dtype, interpret):
     assert not np.asarray(out[int(cu[-1]):], np.float32).any()   # padding rows stay zero
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
+def test_ragged_reference_with_multi_rows_matches_the_full_one(case, dtype):
+    """multi_rows (the rows that may hold several queries, padded with B) gives the same result as
+    giving every row all N query slots: single-query rows attend as decodes, rows named but holding
+    one query are not counted twice, and an empty multi_rows serves a step of decodes only."""
+    nH, nKV, hd, bs, q_lens, before, M, N = RAGGED_CASES[case]
+    rng = np.random.default_rng(40 + case)
+    B = len(q_lens)
+    P = B * M + 1
+    k, v = pool(rng, nKV, P, bs, hd, dtype)
+    q = jnp.asarray(rng.standard_normal((N, nH, hd)), dtype)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kv_lens = jnp.asarray([a + b for a, b in zip(q_lens, before)], jnp.int32)
+    bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    full = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu)
+    several = [b for b, n in enumerate(q_lens) if n > 1]
+    for rows in (several, several + [B, B], list(range(B)) + [B]):   # exact, padded, every row named
+        if not rows and B > 1:
+            rows = [B]
+        got = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu, multi_rows=jnp.asarray(rows, jnp.int32))
+        check(got, full, dtype)
+    if not several:
+        got = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu, multi_rows=jnp.zeros((0,), jnp.int32))
+        check(got, full, dtype)
+
+
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))

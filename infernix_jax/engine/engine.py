@@ -125,6 +125,7 @@ class Engine:
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
+        self.runner.max_prefill_rows = self.max_prefill_rows
         self._rng = np.random.default_rng()
         self._inbox: queue.Queue[Request | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -132,7 +133,7 @@ class Engine:
         # warm-up (shapes.py): the step shapes earlier runs of this same engine met, kept beside JAX's
         # compilation cache; the server says it is ready once `warm_state` is done
         self.shape_limits = shapes.Limits(max_num_seqs, budget, block_size, self.max_context, steps,
-                                          self.runner.table_width, self.max_prefill_rows)
+                                          self.runner.table_width, self.runner.multi_bucket)
         identity = json.dumps([self.fingerprint, self.plan.num_blocks, max_num_seqs, budget, steps, self.max_context,
                                impl, kv_dtype, str(parallel), chunked_prefill])
         # shapes_dir: where that record lives (default: JAX's compilation cache directory, none when off)

@@ -52,6 +52,7 @@ class Runner:
         self.dtype = model.dtype
         self.kv_dtype = kv_dtype
         self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
+        self.max_prefill_rows = None   # hybrids: the scheduler's cap on rows feeding several tokens
         self.hybrid = bool(self.cfg.layer_types)
         self.state_slots = state_slots if self.hybrid else 0
         self.max_context = max_context or self.cfg.max_position_embeddings     # outputs end there (_ends)
@@ -147,7 +148,7 @@ class Runner:
             off += n
         if not multi:
             return StateRows(dec_tok, dec_slot, dec_fresh)
-        Bp = steps.bucket(len(multi), minimum=1)
+        Bp = self.multi_bucket(len(multi), B)
         pre_tok = np.full((Bp, N), N, np.int32)
         pre_len, pre_slot, pre_fresh = np.zeros((Bp,), np.int32), np.full((Bp,), S, np.int32), np.zeros((Bp,), bool)
         for r, (o, n, s) in enumerate(multi):
@@ -260,12 +261,39 @@ class Runner:
         sampling, st = self._sampling(seqs, B)
         bt, pen, allowed, rows = self._block_table(seqs, B), self._penalties(seqs, B), self._allowed(plan, B), \
             self._state_rows(plan, B, N)
-        self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, rows))
+        multi = self._multi_rows(plan, B)
+        self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, 0 if multi is None else len(multi)))
         out = self._device("mixed", tokens, positions, slots, bt, kv_lens, cu_q, logits_idx,
                            st, sampling, attn_impl=self.attn_impl, want_top=True,
-                           penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows)
+                           penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows, multi_rows=multi)
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
+
+    def multi_bucket(self, count: int, B: int) -> int:
+        """Slots for `count` rows feeding several tokens in a step of B rows: 0, 1 (the common case:
+        one prompt beside decodes) or all the step can hold (B; hybrids: the scheduler's cap), so
+        that a step has at most three layouts."""
+        if not self._row_layout:
+            return 0
+        if count <= 1:
+            return count
+        return steps.bucket(min(B, self.max_prefill_rows or B), minimum=1)
+
+    @property
+    def _row_layout(self) -> bool:
+        """Whether steps lay out their multi-token rows: hybrids (their state rows) and the reference
+        attention (its cost); the kernels take any layout, so they keep one compiled form."""
+        return self.hybrid or self.attn_impl == "reference"
+
+    def _multi_rows(self, plan, B: int) -> np.ndarray | None:
+        """The rows feeding several tokens [Bp] (padded with B; empty when none): hybrids' StateRows
+        lay out the same rows, in the same order. None where steps take any layout."""
+        if not self._row_layout:
+            return None
+        multi = [i for i, (_, n) in enumerate(plan) if n > 1]
+        out = np.full((self.multi_bucket(len(multi), B),), B, np.int32)
+        out[:len(multi)] = multi
+        return out
 
     def _decode(self, seqs: list[Sequence], k: int, want_top: bool) -> list[StepOutput]:
         B = steps.bucket(len(seqs), minimum=1)
@@ -320,7 +348,7 @@ class Runner:
                      SamplingArrays.greedy(B), attn_impl=self.attn_impl, want_top=True,
                      penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size),
                      allowed=self._allowed([], B), guard=self._guard([], B), rows=self._padding_rows(B, N, Bp),
-                     compile_only=True)
+                     multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None, compile_only=True)
         # (the same keywords as run(): jit keys its cache on them)
 
     def done_warming(self) -> None:

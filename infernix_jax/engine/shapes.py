@@ -3,7 +3,8 @@
 A key names everything a jitted step's compiled form depends on (all plain values, JSON-friendly):
   ("mixed", N, B, M, pen, Bp)            a ragged step of N tokens over B rows, block tables [B, M];
                                          pen: None or (L, Lp), the penalty histories' widths;
-                                         Bp: hybrids' rows feeding several tokens (0: none)
+                                         Bp: the rows feeding several tokens, bucketed (0:
+                                         none; hybrids lay their state rows out by it too)
   ("decode", B, M, k, want_top, pen)     k decode steps of B rows in one dispatch
   ("copy",)                              the prefix cache's block copy
 A mixed step always takes a token mask and returns the top log-probabilities (one compiled form
@@ -31,8 +32,7 @@ from .steps import bucket
 log = logging.getLogger("infernix.engine")
 
 
-def mixed(N: int, B: int, M: int, pen: Penalties | None, rows) -> tuple:
-    Bp = 0 if rows is None or rows.pre_tok is None else int(rows.pre_tok.shape[0])
+def mixed(N: int, B: int, M: int, pen: Penalties | None, Bp: int) -> tuple:
     return ("mixed", N, B, M, _pen(pen), Bp)
 
 
@@ -64,19 +64,14 @@ class Limits:
     """What bounds the shapes: the scheduler's limits and the runner's bucketing."""
 
     def __init__(self, max_num_seqs: int, budget: int, block_size: int, max_context: int, decode_steps: int,
-                 width, max_prefill_rows: int | None):
+                 width, multi_bucket):
         self.max_num_seqs, self.budget, self.bs = max_num_seqs, budget, block_size
         self.max_context, self.k, self.width = max_context, decode_steps, width
-        self.prefill_rows = max_prefill_rows          # hybrids (None: not a hybrid)
+        self.multi = multi_bucket          # (count, B) -> the Bp of a step (Runner.multi_bucket)
 
     def W(self, tokens: int) -> int:
         """The block-table width of rows of up to `tokens` tokens."""
         return self.width(-(-min(tokens, self.max_context) // self.bs))
-
-    def Bp(self, B: int, prefill: bool) -> int:
-        if self.prefill_rows is None or not prefill:
-            return 0
-        return bucket(min(B, self.prefill_rows), minimum=1)
 
 
 def first_session(lim: Limits) -> list[tuple]:
@@ -87,25 +82,26 @@ def first_session(lim: Limits) -> list[tuple]:
     Ns = _pow2(16, N_max)
     Bs = _pow2(1, bucket(lim.max_num_seqs, minimum=1))
     Wmin = lim.W(1)
+    one = lim.multi(1, 1)          # the Bp of a step with one prompt (0 where steps take any layout)
     # first what one short chat turn needs (a prompt of up to 64 tokens, its reply, the next turn
     # resuming from the prefix cache), so that a request sent right after launch finds it warm
-    out = [("mixed", min(64, N_max), 1, lim.W(64), None, lim.Bp(1, True))]
+    out = [("mixed", min(64, N_max), 1, lim.W(64), None, one)]
     if lim.k > 1:
         out.append(("decode", 1, Wmin, lim.k, False, None))
-    out += [("mixed", 16, 1, Wmin, None, lim.Bp(1, True)), ("copy",)]
-    out += [("mixed", N, 1, lim.W(N), None, lim.Bp(1, True)) for N in Ns]               # one prompt
+    out += [("mixed", 16, 1, Wmin, None, one), ("copy",)]
+    out += [("mixed", N, 1, lim.W(N), None, one) for N in Ns]               # one prompt
     if lim.k > 1:
         out += [("decode", B, Wmin, lim.k, False, None) for B in Bs]                    # replies
-    out += [("mixed", N, 1, lim.W(4 * Wmin * lim.bs), None, lim.Bp(1, True)) for N in (16, 64)]   # turns
+    out += [("mixed", N, 1, lim.W(4 * Wmin * lim.bs), None, one) for N in (16, 64)]   # turns
     if lim.k > 1:
         out += [("decode", 1, lim.W(t), lim.k, False, None) for t in (2 * Wmin * lim.bs, 4 * Wmin * lim.bs)]
         out.append(("decode", 1, Wmin, lim.k, True, None))                               # logprobs
     out.append(("mixed", 16, 1, Wmin, None, 0))                    # a constrained reply's tokens
-    for B in Bs[1:]:                                               # arrivals beside running requests
+    for B in Bs[1:]:              # one arrival beside running requests; several prompts at once
         for N in sorted({min(64, N_max), N_max}):
-            if N >= B:
-                out.append(("mixed", N, B, Wmin, None, lim.Bp(B, True)))
-    out += [("mixed", N_max, 1, lim.W(t), None, lim.Bp(1, True))       # a long prompt's chunks
+            Bps = sorted({lim.multi(1, B), lim.multi(B, B)})
+            out += [("mixed", N, B, Wmin, None, Bp) for Bp in Bps if N >= 2 * Bp]
+    out += [("mixed", N_max, 1, lim.W(t), None, one)       # a long prompt's chunks
             for t in _pow2(2 * N_max, 4096) if t <= lim.max_context]
     return list(dict.fromkeys(out))
 
@@ -119,7 +115,7 @@ def every(lim: Limits) -> list[tuple]:
     for B in Bs:
         for M in Ms:
             for N in (N for N in Ns if N >= B):
-                Bps = {0} | ({lim.Bp(b, True) for b in _pow2(1, B)} if lim.prefill_rows else set())
+                Bps = {lim.multi(c, B) for c in range(min(B, N // 2) + 1)}      # (rows of >= 2 tokens)
                 out += [("mixed", N, B, M, None, Bp) for Bp in sorted(Bps)]
             if lim.k > 1:
                 out += [("decode", B, M, lim.k, top, None) for top in (False, True)]

@@ -26,13 +26,16 @@ def bucket(n: int, minimum: int = 16) -> int:
 @partial(jax.jit, static_argnames=("cfg", "attn_impl", "want_top"), donate_argnames=("kv",))
 def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
                logits_idx, steps, sampling: SamplingArrays, attn_impl: str = "reference", want_top: bool = False,
-               penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None, rows=None):
+               penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None, rows=None,
+               multi_rows=None):
     """A ragged batch of prefill chunks and decodes. tokens/positions/slots [N]; block_tables [B, M];
     kv_lens, logits_idx (flat index of each row's last token), steps [B]; cu_q [B + 1].
     allowed: None or [B, ceil(V/32)] int32 token bitmasks (constrained rows; all ones elsewhere).
-    rows: hybrids' StateRows (None otherwise).
+    rows: hybrids' StateRows (None otherwise). multi_rows [Bp]: the rows feeding several tokens
+    (padded with B; None: any may): the reference attention gives only those the ragged layout.
     Returns the sampled token of every row (and logprobs), and the pool."""
-    h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl, rows)
+    h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl, rows,
+                          multi_rows)
     logits = logits_from_hidden(params, cfg, h[logits_idx])                      # [B, V]
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
     return replicated(sample(logits, steps, sampling, want_top, pen, allowed, guard)), kv

@@ -81,10 +81,10 @@ def _gdn_paged(cfg: ModelConfig, p, x, conv_pool, ssm_pool, rows: StateRows, fns
 
 
 def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
-                         cu_q, attn_impl: str, rows: StateRows):
+                         cu_q, attn_impl: str, rows: StateRows, multi_rows=None):
     """models.paged.forward_paged for hybrids: tokens, positions, slots [N] -> hidden [N, H], the cache."""
     conv, ssm = list(kv.conv), list(kv.ssm)
-    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl, multi_rows)
     fns = _gdn_fns(attn_impl)
     eps = cfg.rms_norm_eps
     x = constrain(params["embed"][tokens][None], "batch", "seq", "embed")   # [1, N, H]

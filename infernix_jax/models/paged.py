@@ -4,6 +4,7 @@ also keep a state pool here: see hybrid_paged.py."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax.numpy as jnp
 from flax import struct
@@ -132,7 +133,6 @@ def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
 
 def _attention_fns(impl: str):
     if impl in ("pallas", "pallas_interpret"):
-        from functools import partial
         from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk
         interpret = impl == "pallas_interpret"
         # on a mesh each device runs the kernels on its own heads (a Pallas call is not split by XLA)
@@ -141,11 +141,14 @@ def _attention_fns(impl: str):
     return pa.paged_decode_attention_reference, pa.ragged_paged_attention_reference
 
 
-def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str):
+def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str, multi_rows=None):
     """-> (attend, pools): attend(j, q, k, v) writes attention layer j's k/v [1, N, nKV, hd] into the
     pool at their slots and attends q [1, N, nH, hd] (ragged with cu_q, one token per row without);
-    pools() gives the updated k, v (and scales) as PagedKV fields."""
+    pools() gives the updated k, v (and scales) as PagedKV fields. multi_rows: see
+    ragged_paged_attention_reference (the kernels need no such hint)."""
     decode_fn, ragged_fn = _attention_fns(attn_impl)
+    if multi_rows is not None and ragged_fn is pa.ragged_paged_attention_reference:
+        ragged_fn = partial(ragged_fn, multi_rows=multi_rows)
     k_pool, v_pool, k_scale, v_scale = list(kv.k), list(kv.v), list(kv.k_scale), list(kv.v_scale)
     k_esc, v_esc, lost = list(kv.k_esc), list(kv.v_esc), [kv.lost]
 
@@ -178,15 +181,17 @@ def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str
 
 
 def forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
-                  cu_q=None, attn_impl: str = "reference", rows=None):
+                  cu_q=None, attn_impl: str = "reference", rows=None, multi_rows=None):
     """tokens, positions, slots [N]. With cu_q [B + 1] the tokens form a ragged batch (prefill
     chunks and decodes); without it there is one token per sequence (N == B, decode).
     K/V of every token are written at its slot before attending. Hybrids take `rows`
-    (hybrid_paged.StateRows: where each row's tokens and state are). Returns hidden [N, H], the pool."""
+    (hybrid_paged.StateRows: where each row's tokens and state are). multi_rows [Bp]: the rows that
+    feed several tokens (padded with B; None: any may), for the reference attention's cost.
+    Returns hidden [N, H], the pool."""
     if cfg.layer_types:
         from .hybrid_paged import hybrid_forward_paged
         return hybrid_forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q,
-                                    attn_impl, rows)
-    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl)
+                                    attn_impl, rows, multi_rows)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl, multi_rows)
     h = decoder(params, cfg, tokens[None], positions[None], attend, impl=attn_impl)
     return h[0], kv.replace(**pools())
