@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model's alias or directory name); '*' accepts any name, for clients that send their "
                         "own; a request naming another model gets 404")
     p.add_argument("--warmup", choices=["basic", "full", "none"], default="basic",
-                   help="run each step shape once before /health says ready (requests sent meanwhile wait): "
+                   help="compile each step shape before /health says ready (requests sent meanwhile are served first): "
                         "basic = the shapes a first session meets (short and long prompts, every batch size, "
                         "follow-up turns, logprobs, constrained output), then, while idle, those earlier runs "
                         "met; full = every bucketed shape the limits allow (minutes for a big model). With "
