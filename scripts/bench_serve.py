@@ -3,7 +3,9 @@
 Starts `infernix-serve` `--starts` times on one compilation cache (a fresh one unless --compile-cache
 names one, so the first start compiles and the next read the cache back) and measures, from the
 launch: when it answers HTTP, when the README's request is answered, how long that first answer took
-against the next identical one, and when /health says ready. On the last start it then measures
+against the next identical one, and when /health says ready; once ready, the first request of each
+kind a session sends (a forced tool call, a json_schema reply, 8 requests at once) against the next
+of the same kind (the warm-up's promise: the first is as fast as the tenth). On the last start it then measures
 throughput: `c` clients each sending requests one after another (default sampling, fixed-length
 replies), for each c in --clients, against one client in the same run (batching must never cost
 throughput)."""
@@ -19,6 +21,25 @@ import time
 from pathlib import Path
 
 README_BODY = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+          "required": ["city", "population"], "additionalProperties": False}
+# the requests a first session sends after its first chat turn: (name, bodies sent at once)
+KINDS = [
+    ("forced tool call", [{"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                           "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                           "temperature": 0, "max_tokens": 48}]),
+    ("json_schema reply", [{"messages": [{"role": "user", "content": "Name a big city and its population."}],
+                            "response_format": {"type": "json_schema", "json_schema": {"name": "city",
+                                                                                       "schema": SCHEMA}},
+                            "temperature": 0, "max_tokens": 48}]),
+    ("8 requests at once", [{"messages": [{"role": "user", "content": f"Say something about the number {i}."}],
+                             "max_tokens": 32} for i in range(8)]),
+]
 
 
 def _port() -> int:
@@ -67,11 +88,28 @@ def one_start(model: str, cache: str, extra: list[str], log: Path) -> tuple[dict
     t = time.time()
     httpx.post(url + "/v1/chat/completions", json=README_BODY, timeout=600).raise_for_status()
     after_ready = time.time() - t
-    return {"listening_s": round(listening, 2), "first_answer_at_s": round(first_answer, 2),
+    kinds = {name: [_timed_burst(url, bodies) for _ in range(2)] for name, bodies in KINDS}
+    return {"first_of_each_kind": {k: {"first_s": round(a, 3), "next_s": round(b, 3), "first_over_next": round(a / b, 2)}
+                                   for k, (a, b) in kinds.items()},
+            "listening_s": round(listening, 2), "first_answer_at_s": round(first_answer, 2),
             "first_answer_took_s": round(times[0], 3), "next_took_s": round(times[1], 3),
             "third_took_s": round(times[2], 3), "first_over_next": round(times[0] / times[1], 2),
             "health_loading_after_answers": saw_loading, "ready_at_s": round(ready, 2),
             "answer_when_ready_s": round(after_ready, 3), "answer": text}, proc, url
+
+
+def _timed_burst(url: str, bodies: list[dict]) -> float:
+    """Seconds until every one of `bodies`, sent at once, is answered."""
+    import httpx
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            rs = await asyncio.gather(*[c.post(url + "/v1/chat/completions", json=b, timeout=600) for b in bodies])
+        for r in rs:
+            r.raise_for_status()
+    t = time.time()
+    asyncio.run(go())
+    return time.time() - t
 
 
 async def _client(c, url: str, i: int, n: int, tokens: int, out: list) -> None:
@@ -119,6 +157,9 @@ def run(model: str, starts: int, cache: str | None, clients: list[int], requests
                       f"{figures['first_answer_at_s']} s (took {figures['first_answer_took_s']} s, the next "
                       f"{figures['next_took_s']} s: {figures['first_over_next']}x); ready at {figures['ready_at_s']} s",
                       flush=True)
+                for k, v in figures["first_of_each_kind"].items():
+                    print(f"  once ready, first {k}: {v['first_s']} s, the next {v['next_s']} s ({v['first_over_next']}x)",
+                          flush=True)
                 if i == starts - 1 and clients:
                     res["throughput"] = throughput(url, clients, requests, tokens)
                     for r in res["throughput"]:
