@@ -98,12 +98,10 @@ RAGGED_CASES = [  # (nH, nKV, hd, bs, q_lens, ctx_before, M, N)
 ]
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
-def test_ragged_paged_attention(case, dtype, interpret):
+def ragged_inputs(case: int, dtype, seed: int):
+    """RAGGED_CASES[case] as fresh random inputs: q, k and v pools, block tables, kv_lens, cu_q."""
     nH, nKV, hd, bs, q_lens, before, M, N = RAGGED_CASES[case]
-    rng = np.random.default_rng(10 + case)
+    rng = np.random.default_rng(seed)
     B = len(q_lens)
     P = B * M + 1
     k, v = pool(rng, nKV, P, bs, hd, dtype)
@@ -111,6 +109,14 @@ def test_ragged_paged_attention(case, dtype, interpret):
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     kv_lens = jnp.asarray([a + b for a, b in zip(q_lens, before)], jnp.int32)
     bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    return q, k, v, bt, kv_lens, cu
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
+def test_ragged_paged_attention(case, dtype, interpret):
+    q, k, v, bt, kv_lens, cu = ragged_inputs(case, dtype, 10 + case)
     bsz = rpa.BlockSizes(block_rows=32, pages_per_compute_block=2) if interpret else rpa.BlockSizes()
     out = rpa.ragged_paged_attention(q, k, v, bt, kv_lens, cu, block_sizes=bsz, interpret=interpret)
     ref = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu)
@@ -124,15 +130,9 @@ def test_ragged_reference_with_multi_rows_matches_the_full_one(case, dtype):
     """multi_rows (the rows that may hold several queries, padded with B) gives the same result as
     giving every row all N query slots: single-query rows attend as decodes, rows named but holding
     one query are not counted twice, and an empty multi_rows serves a step of decodes only."""
-    nH, nKV, hd, bs, q_lens, before, M, N = RAGGED_CASES[case]
-    rng = np.random.default_rng(40 + case)
+    q_lens = RAGGED_CASES[case][4]
     B = len(q_lens)
-    P = B * M + 1
-    k, v = pool(rng, nKV, P, bs, hd, dtype)
-    q = jnp.asarray(rng.standard_normal((N, nH, hd)), dtype)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    kv_lens = jnp.asarray([a + b for a, b in zip(q_lens, before)], jnp.int32)
-    bt = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    q, k, v, bt, kv_lens, cu = ragged_inputs(case, dtype, 40 + case)
     full = rpa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu)
     several = [b for b, n in enumerate(q_lens) if n > 1]
     for rows in (several, several + [B, B], list(range(B)) + [B]):   # exact, padded, every row named

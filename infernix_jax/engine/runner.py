@@ -365,9 +365,3 @@ class Runner:
         return StateRows(*dec, np.full((Bp, N), N, np.int32), np.zeros((Bp,), np.int32),
                          np.full((Bp,), S, np.int32), np.zeros((Bp,), bool))
 
-
-def _pow2_range(lo: int, hi: int) -> list[int]:
-    out = [lo]
-    while out[-1] < hi:
-        out.append(out[-1] * 2)
-    return out
