@@ -189,7 +189,8 @@ def test_configure_shows_the_server_and_changes_settings(page, keyed):
                    json={"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 50})
     assert r.json()["usage"]["completion_tokens"] <= 3
     live = httpx.get(url + "/admin/config", headers=auth).json()["live"]
-    assert live["max-new-tokens"] == 3 and live["sampling"] == {"temperature": 0.0}
+    # (the form holds the defaults in force, the default model's card's top_p among them)
+    assert live["max-new-tokens"] == 3 and live["sampling"] == {"temperature": 0.0, "top_p": 0.9}
 
     # settings for the next start: a bad value is refused and changes nothing; a good one is saved
     before = cfg.read_text()
