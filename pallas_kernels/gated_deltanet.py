@@ -2,7 +2,7 @@
 
 Two exact references for one sequence, fp32 throughout:
   recurrent  the plain token-by-token recurrence (decode, and the ground truth)
-  chunked    the chunk-parallel WY / UT form (prefill): the same maths with one triangular solve and
+  chunked    the chunk-parallel WY / UT form (prefill): the same maths with one unit-triangular inverse and
              a few matmuls per chunk of C tokens, and a scan over chunks that carries the state
 The Pallas prefill kernel mirrors `chunked` chunk by chunk.
 
@@ -54,6 +54,32 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state=None, use_qk_l2norm: bool
     return o, state
 
 
+def unit_lower_inverse(A):
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by doubling the diagonal blocks:
+    inv([[X, 0], [B, Y]]) = [[X^-1, 0], [-Y^-1 B X^-1, Y^-1]], log2(C) rounds of batched matmuls.
+    Only true inverses of sub-triangles are ever formed (no powers of A, which overflow fp32 when keys
+    are alike), and it stays plain matmuls: no LAPACK call, whose nested thread-pool work deadlocks
+    XLA:CPU collectives on a mesh of CPU devices, and one order of sums on every device."""
+    C = A.shape[-1]
+    size = 1 << max(C - 1, 0).bit_length()                  # the next power of two; pad with identity rows
+    if size != C:
+        A = jnp.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, size - C), (0, size - C)])
+    lead = A.shape[:-2]
+    hi = jax.lax.Precision.HIGHEST                          # fp32 products (no TF32 on the GPU)
+    inv = jnp.ones((*lead, size, 1, 1), A.dtype)           # [..., nb, s, s] inverses of the diagonal blocks
+    s = 1
+    while s < size:
+        nb = size // (2 * s)
+        blocks = jnp.diagonal(A.reshape(*lead, nb, 2 * s, nb, 2 * s), axis1=-4, axis2=-2)
+        b = jnp.moveaxis(blocks, -1, -3)[..., s:, :s]       # [..., nb, s, s] the block below the diagonal
+        x, y = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        low = -jnp.matmul(y, jnp.matmul(b, x, precision=hi), precision=hi)
+        top = jnp.concatenate([x, jnp.zeros_like(x)], axis=-1)
+        inv = jnp.concatenate([top, jnp.concatenate([low, y], axis=-1)], axis=-2)
+        s *= 2
+    return inv[..., 0, :C, :C]
+
+
 def chunk_prepare(q, k, v, g, beta, state=None, chunk: int = 64, use_qk_l2norm: bool = True):
     """The chunk-parallel part of the chunked form: everything that needs no state. Returns
     (qg, kd, u, w, qk, decay, state, T): per chunk n and value head h, [N, Hv, C, .] arrays
@@ -81,9 +107,7 @@ def chunk_prepare(q, k, v, g, beta, state=None, chunk: int = 64, use_qk_l2norm: 
     kb = k * beta[..., None]
     A = jnp.einsum("nhid,nhjd->nhij", kb, k) * gam
     A = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), A, 0.0)
-    eye = jnp.eye(C, dtype=jnp.float32)
-    tinv = jax.scipy.linalg.solve_triangular(eye + A, jnp.broadcast_to(eye, A.shape), lower=True,
-                                             unit_diagonal=True)          # (I + A)^-1
+    tinv = unit_lower_inverse(A)                            # (I + A)^-1
     u = tinv @ (v * beta[..., None])                        # [N, Hv, C, dv]
     w = tinv @ (kb * jnp.exp(gamma)[..., None])             # [N, Hv, C, dk]
     qk = jnp.einsum("nhid,nhjd->nhij", q, k) * gam          # causal, diagonal included

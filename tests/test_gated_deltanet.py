@@ -39,6 +39,19 @@ def test_recurrent_and_chunked_match_transformers(T):
         np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-4, atol=1e-4, err_msg=fn.__name__)
 
 
+@pytest.mark.parametrize("C", [1, 5, 16, 48, 64])
+def test_unit_lower_inverse_matches_numpy(C):
+    """(I + A)^-1 by block doubling equals numpy's inverse (float64) for random strictly-lower A and
+    for nearly equal keys (A ~ ones below the diagonal), where a power series would overflow fp32."""
+    rng = np.random.default_rng(C)
+    alike = np.tril(np.full((C, C), 0.99, np.float32), -1)[None, None]
+    random = np.tril(rng.standard_normal((3, 2, C, C)).astype(np.float32) * 0.3, -1)
+    for A in (random, alike):
+        want = np.linalg.inv(np.eye(C) + A.astype(np.float64))
+        got = np.asarray(gdn.unit_lower_inverse(A))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
 @pytest.mark.parametrize("split,chunk", [(117, 64), (1, 16), (64, 64), (299, 32)])
 def test_state_carried_across_prefill_chunks(split, chunk):
     """A prefill cut at any position, the state carried over, equals one pass (chunked prefill)."""
