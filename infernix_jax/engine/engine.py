@@ -227,6 +227,7 @@ class Engine:
 
     def _warmed(self) -> None:
         jax.random.key_data(jax.random.PRNGKey(0))        # (each request's seed key: add())
+        ll_tokenizer(self.tokenizer, self.cfg.vocab_size, self.eos_ids)    # (a constrained request's)
         self.runner.done_warming()
 
     def warm_keys(self, level: str) -> list[tuple]:
@@ -241,7 +242,7 @@ class Engine:
 
     def _warm_one(self, key: tuple) -> None:
         try:
-            self.runner.warm(key)
+            self.runner.warm(key, run=shapes.worth_running(key, self.runner.block_size))
         except Exception as e:  # noqa: BLE001  (a shape that cannot run here: requests will say so)
             log.warning("warm-up: step shape %s failed: %s", key, e)
             self.runner.reset_kv()          # (a failed dispatch may have consumed the donated pool)

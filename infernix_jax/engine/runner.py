@@ -326,30 +326,38 @@ class Runner:
         return {"stop_ids": stop_ids, "remaining": remaining}
 
     # ---- warm-up: run a step of each shape (key: engine/shapes.py) so that serving never compiles ------
-    def warm(self, key: tuple) -> None:
+    def warm(self, key: tuple, run: bool = True) -> None:
         """Compile the step of shape `key` (or read it back from the persistent compilation cache)
-        without running it, so that the first step of that shape does not wait."""
+        and, with `run`, run it once on padding (every K/V and state write goes to the dropped slot):
+        XLA:CPU's first run of an executable packs the weights for its YNNPACK matmuls (~0.5 s for
+        SmolLM2), which would otherwise fall on the first request of that shape."""
         if key[0] == "copy":
             self.kv = self._device("copy_blocks", [])         # the prefix cache's copy-on-write
             return
         if key[0] == "decode":
             _, B, M, k, want_top, pen = key
             zeros_b = np.zeros((B,), np.int32)
-            self._device("decode", zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
-                         SamplingArrays.greedy(B), num_steps=k, attn_impl=self.attn_impl, want_top=want_top,
-                         penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
-                         rows=self._padding_rows(B, B, 0), compile_only=True, **self._ends([], B))
-            return
-        _, N, B, M, pen, Bp = key
-        zeros_b = np.zeros((B,), np.int32)
-        self._device("mixed", np.zeros((N,), np.int32), np.zeros((N,), np.int32),
-                     np.full((N,), self.num_blocks * self.block_size, np.int32), np.zeros((B, M), np.int32),
-                     np.ones((B,), np.int32), np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b,
-                     SamplingArrays.greedy(B), attn_impl=self.attn_impl, want_top=True,
-                     penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size),
-                     allowed=self._allowed([], B), guard=self._guard([], B), rows=self._padding_rows(B, N, Bp),
-                     multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None, compile_only=True)
+            op, args = "decode", (zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
+                                  SamplingArrays.greedy(B))
+            kw = dict(num_steps=k, attn_impl=self.attn_impl, want_top=want_top,
+                      penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
+                      rows=self._padding_rows(B, B, 0), **self._ends([], B))
+        else:
+            _, N, B, M, pen, Bp = key
+            zeros_b = np.zeros((B,), np.int32)
+            op, args = "mixed", (np.zeros((N,), np.int32), np.zeros((N,), np.int32),
+                                 np.full((N,), self.num_blocks * self.block_size, np.int32),
+                                 np.zeros((B, M), np.int32), np.ones((B,), np.int32),
+                                 np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, SamplingArrays.greedy(B))
+            kw = dict(attn_impl=self.attn_impl, want_top=True,
+                      penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size),
+                      allowed=self._allowed([], B), guard=self._guard([], B), rows=self._padding_rows(B, N, Bp),
+                      multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None)
         # (the same keywords as run(): jit keys its cache on them)
+        self._device(op, *args, compile_only=True, **kw)
+        if run:
+            self._device(op, *args, **kw)
+            jax.block_until_ready(self.kv)
 
     def done_warming(self) -> None:
         jax.block_until_ready(self.kv.k[0])

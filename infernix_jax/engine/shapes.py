@@ -122,6 +122,19 @@ def every(lim: Limits) -> list[tuple]:
     return [("copy",), *out]
 
 
+# Warm-up runs each shape once besides compiling it (the first run of an executable has a fixed
+# cost: XLA:CPU packs the weights for its YNNPACK matmuls, ~0.5 s for SmolLM2), except the shapes of
+# long contexts, whose steps take seconds on the CPU anyway: running those would only delay ready.
+RUN_CONTEXT = 2048
+
+
+def worth_running(key: tuple, block_size: int) -> bool:
+    if key[0] == "copy":
+        return True
+    M = key[3] if key[0] == "mixed" else key[2]
+    return M * block_size <= RUN_CONTEXT
+
+
 class Seen:
     """The step shapes run so far and how often, loaded from and saved to a small JSON file beside
     the compilation cache (one per engine identity: model, pool and limits)."""
