@@ -8,6 +8,7 @@ decodes one token per dispatch."""
 from __future__ import annotations
 
 import json
+import weakref
 
 import llguidance
 import llguidance.numpy as lln
@@ -32,12 +33,15 @@ def json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": _COMPACT})
 
 
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # tokenizer -> {(n_vocab, eos): LLTokenizer}
+
+
 def ll_tokenizer(tokenizer, n_vocab: int, eos_ids) -> llguidance.LLTokenizer:
     """The llguidance view of our tokenizer, built once per tokenizer (~0.25 s for a 50K vocabulary;
-    the engine builds it while warming up) and kept on it: each constrained request only looks it up
-    (serializing the tokenizer to find it cost ~20 ms a request)."""
+    the engine builds it while warming up): each constrained request only looks it up (serializing
+    the tokenizer to find it cost ~20 ms a request)."""
     key = (n_vocab, tuple(sorted(eos_ids)))
-    built = tokenizer.__dict__.setdefault("_ll_tokenizers", {})
+    built = _BUILT.setdefault(tokenizer, {})
     if key not in built:
         built[key] = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n_vocab, eos_token=list(key[1]))
     return built[key]

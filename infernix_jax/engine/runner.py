@@ -326,11 +326,10 @@ class Runner:
         return {"stop_ids": stop_ids, "remaining": remaining}
 
     # ---- warm-up: run a step of each shape (key: engine/shapes.py) so that serving never compiles ------
-    def warm(self, key: tuple, run: bool = True) -> None:
+    def warm(self, key: tuple, run: bool) -> None:
         """Compile the step of shape `key` (or read it back from the persistent compilation cache)
-        and, with `run`, run it once on padding (every K/V and state write goes to the dropped slot):
-        XLA:CPU's first run of an executable packs the weights for its YNNPACK matmuls (~0.5 s for
-        SmolLM2), which would otherwise fall on the first request of that shape."""
+        and, with `run`, run it once on padding (every K/V and state write goes to the dropped slot),
+        so that the first run's fixed cost does not fall on a request (shapes.worth_running)."""
         if key[0] == "copy":
             self.kv = self._device("copy_blocks", [])         # the prefix cache's copy-on-write
             return
