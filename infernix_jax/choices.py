@@ -11,3 +11,6 @@ KV_DTYPES = ("int8", "fp8", "k8v4", "bf16p")
 # GGUF block types kept as they are by --weights gguf, and what `infernix-bench shapes --weights` also
 # takes as random blocks (pallas_kernels/ggml_blocks.py LAYOUT)
 GGML_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "iq4_xs")
+# --attn-impl: the jnp reference (the CPU's default), the Pallas kernels (a GPU's), or the kernels in
+# Pallas' interpret mode (slow; for checking them on the CPU)
+ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")

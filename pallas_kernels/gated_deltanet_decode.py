@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .common import triton_params
 from .gated_deltanet import L2_EPS
 
 
@@ -34,13 +35,6 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, s_out_ref, *, scale
     o_ref[...] = jnp.sum(s * jnp.transpose(q), axis=0, keepdims=True)
     s_out_ref[...] = s
 
-
-def _compiler_params(num_warps: int):
-    try:
-        from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
-    except (ImportError, AttributeError):
-        return None
 
 
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm", "interpret", "block_v", "num_warps"),
@@ -75,7 +69,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, use_qk_l2norm: bool = True,
                    jax.ShapeDtypeStruct((B, Hv, dk, dv), jnp.float32)],
         input_output_aliases={5: 1},
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(num_warps),
+        compiler_params=None if interpret else triton_params(num_warps, 1),
         name="gated_delta_rule_decode",
     )(q, k, v, g[..., None], beta[..., None], state.astype(jnp.float32))
     return o, state

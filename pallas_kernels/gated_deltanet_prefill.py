@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .common import triton_params
 from .gated_deltanet import chunk_output, chunk_prepare
 
 
@@ -37,13 +38,6 @@ def _kernel(qg_ref, kd_ref, u_ref, w_ref, qk_ref, dec_ref, s0_ref, o_ref, s_ref,
 
     s_ref[...] = jax.lax.fori_loop(0, n_chunks, body, s0_ref[...])
 
-
-def _compiler_params(num_warps: int, num_stages: int):
-    try:
-        from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    except (ImportError, AttributeError):
-        return None
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "use_qk_l2norm", "interpret", "block_v", "num_warps",
@@ -71,7 +65,7 @@ def gated_delta_rule_chunked_pallas(q, k, v, g, beta, state=None, chunk: int = 6
         out_shape=[jax.ShapeDtypeStruct((N, Hv, C, dv), jnp.float32),
                    jax.ShapeDtypeStruct((Hv, dk, dv), jnp.float32)],
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
+        compiler_params=None if interpret else triton_params(num_warps, num_stages),
         name="gated_delta_rule_chunks",
     )(qg, kd, u, w, qk, decay, state)
     return chunk_output(o, T), state

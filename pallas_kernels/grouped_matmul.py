@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .paged_decode_attention import _compiler_params
+from .common import triton_params
 from .quant_matmul import BlockSizes, matrix_unsupported, sum_splits, tiling, weight_tile
 from .quant_matmul import unsupported as qmm_unsupported
 
@@ -142,7 +142,7 @@ def grouped_matmul(x, rows, tile_expert, args: tuple, fmt: str, shape: tuple, bm
         out_specs=pl.BlockSpec((None, bm, bn), lambda t, n, k: (k, t, n)),
         out_shape=jax.ShapeDtypeStruct((split, rows.shape[0], N), out_dtype),
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(bs),
+        compiler_params=None if interpret else triton_params(bs.num_warps, bs.num_stages),
         name=f"grouped_matmul_{fmt or 'plain'}",
     )(rows.astype(jnp.int32), tile_expert.astype(jnp.int32), x, *args)
     return sum_splits(out, x.dtype)

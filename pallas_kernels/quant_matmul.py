@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plt
 
 from . import ggml_blocks
 from .ggml_blocks import spread, unpack_bits
-from .paged_decode_attention import _compiler_params
+from .common import triton_params
 
 GROUP = {"int8": 0, "fp8": 0, "fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
 PACKED = ("int4", "nvfp4")        # two weights per byte
@@ -54,7 +54,7 @@ def for_rows(m: int, fmt: str = "") -> BlockSizes:
     tiles; infernix_jax's linear hands those to XLA instead). From the H200 sweep of
     `infernix-bench qmatmul --tune` (docs/benchmarks.md): the tiles with the least total time over
     int8, mxfp8, int4 and nvfp4 on qwen3-8b's up projection; decode's split from the in-step sweep
-    of scripts/experiments/tune_decode_qmm.py (fp8 kernel time inside a qwen3-8b decode step, with
+    of experiments/tune_decode_qmm.py (fp8 kernel time inside a qwen3-8b decode step, with
     q/k/v and gate/up fused: 64 columns and a K split sized to give ~2 programs per SM (2 for qkv,
     1 for gate/up, 4 for down) 8% under the best fixed split, 4). nvfp4 (decoding e2m1 in
     registers: bound by ALU, not bytes) keeps the earlier 32 columns and split 4, 12% faster there."""
@@ -142,7 +142,7 @@ def weight_tile(fmt: str, load, k: int, bk: int, bn: int, dtype, tensor_scale=No
     if fmt == "int8":
         return d.astype(dtype)
     if fmt == "fp8":         # through f32: 13% less kernel time in a decode step than e4m3 -> bf16
-        return d.astype(jnp.float32).astype(dtype)           # (scripts/experiments/qmm_convert_variants.py)
+        return d.astype(jnp.float32).astype(dtype)           # (experiments/qmm_convert_variants.py)
     G = max(1, bk // g)                                      # scale columns per step
     s = load(1, k // g, G)                                   # [bn or 1, G]
     if fmt == "fp8b":                                        # one row of scales for the whole tile
@@ -256,7 +256,7 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
         out_specs=pl.BlockSpec((None, bm, bn), lambda m, n, k: (k, m, n)),
         out_shape=jax.ShapeDtypeStruct((split, M, N), out_dtype),
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(bs),
+        compiler_params=None if interpret else triton_params(bs.num_warps, bs.num_stages),
         name=f"quant_matmul_{fmt}",
     )(x, d, s, *rest)
     return sum_splits(out, x.dtype)

@@ -18,8 +18,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .paged_attention import ragged_paged_attention_reference
-from .paged_decode_attention import (LOG2E, NEG, _compiler_params, _parts, _split_refs, attend_block, check_pools,
-                                     extra_operands, fit_pages, pool_specs, tile_dtype)
+from .common import triton_params
+from .paged_blocks import (LOG2E, NEG, attend_block, check_pools, extra_operands, fit_pages, pool_specs, split_refs,
+                           tile_dtype, value_parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +38,10 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, 
     #   (the G heads sharing the KV head, padded to gp, so one tile feeds the tensor cores)
     # k_ref, v_ref [P, bs, hd'] this kv head's pool (quantized: codes, then ks_ref, vs_ref [P, bs])
     # o_ref [parts, (N + block_q) * gp, hd / parts] its outputs (int4 values: two halves)
-    ks_ref, vs_ref, ke_ref, ve_ref, (o_ref,) = _split_refs(refs, fmts)
+    ks_ref, vs_ref, ke_ref, ve_ref, (o_ref,) = split_refs(refs, fmts)
     b, j = pl.program_id(0), pl.program_id(1)
     bs, hd = k_ref.shape[1], q_ref.shape[1]
-    parts = _parts(fmts)
+    parts = value_parts(fmts)
     q_begin, q_end = cu_ref[b], cu_ref[b + 1]
     start = q_begin + j * block_q
     rows = block_q * gp
@@ -131,7 +132,7 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
         out_specs=pl.BlockSpec((None, parts, (N + bq) * gp, hd // parts), lambda b, j, h: (h, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((nKV, parts, (N + bq) * gp, hd // parts), q.dtype),
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(block_sizes),
+        compiler_params=None if interpret else triton_params(block_sizes.num_warps, block_sizes.num_stages),
         name="ragged_paged_attention",
     )(cu_q.astype(jnp.int32), kv_lens.astype(jnp.int32), bt, qh, k_pool, v_pool,
       *extra_operands(fmts, k_scale, v_scale, k_esc, v_esc))

@@ -154,7 +154,7 @@ def add_engine_args(p):
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
     g.add_argument("--decode-steps", type=int, default=None,
                    help="decode steps per dispatch when no request needs the host (default 8 on GPU, 4 on CPU)")
-    g.add_argument("--attn-impl", choices=["reference", "pallas", "pallas_interpret"], default=None,
+    g.add_argument("--attn-impl", choices=choices.ATTN_IMPLS, default=None,
                    help="attention implementation (default: pallas on GPU, reference jnp on CPU)")
     g.add_argument("--fair-turn-s", type=float, default=1.0, metavar="S",
                    help="under KV pressure, running requests take turns of about S seconds of output so that "
@@ -178,50 +178,18 @@ def add_engine_args(p):
                    help="save the prefix cache here at shutdown and load it at start (when it matches the model)")
 
 
-def describe_prefix_cache(kw: dict) -> str:
-    """One line for --plan and the start-up log."""
-    if not kw["prefix_cache"]:
-        return "prefix cache:       off"
-    tiers = ["device blocks"]
-    if kw["prefix_cache_ram_gib"] or kw["ssd_context_gib"] or kw["prefix_cache_file"]:
-        tiers.append(f"RAM {kw['prefix_cache_ram_gib'] or 1.0:g} GiB (resize {kw['ram_resize']})")
-    if kw["ssd_context_gib"]:
-        tiers.append(f"SSD {kw['ssd_context_gib']:g} GiB in {kw['ssd_context_dir']} "
-                     f"(at most {kw['ssd_gib_per_hour']:g} GiB/hour written)")
-    if kw["prefix_cache_file"]:
-        tiers.append(f"saved to {kw['prefix_cache_file']}")
-    return "prefix cache:       " + ", ".join(tiers)
-
-
-def engine_kwargs(a) -> dict:
-    for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
-        if getattr(a, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if a.max_model_len is not None and a.max_model_len < 1:
-        raise ValueError("--max-model-len must be >= 1")
-    if a.kv_cache_gib is not None and a.kv_cache_gib <= 0:
-        raise ValueError("--kv-cache-gib must be > 0")
-    if not 0 < a.memory_fraction <= 1:
-        raise ValueError("--memory-fraction must be in (0, 1]")
-    if a.fair_turn_s < 0:
-        raise ValueError("--fair-turn-s must be >= 0")
-    if a.prefix_cache_ram_gib < 0:
-        raise ValueError("--prefix-cache-ram-gib must be >= 0")
-    if a.ssd_context_gib < 0 or a.ssd_context_gib_per_hour <= 0:
-        raise ValueError("--ssd-context-gib must be >= 0 and --ssd-context-gib-per-hour > 0")
-    if a.ssd_context_gib > 0 and not a.ssd_context_dir:
-        raise ValueError("--ssd-context-gib needs --ssd-context-dir DIR")
-    if a.state_snapshots is not None and a.state_snapshots < 0:
-        raise ValueError("--state-snapshots must be >= 0")
-    return dict(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,
-                prefix_cache=not a.no_prefix_cache, prefix_cache_ram_gib=a.prefix_cache_ram_gib,
-                ram_resize=a.ram_resize, state_snapshots=a.state_snapshots, ssd_context_gib=a.ssd_context_gib,
-                ssd_context_dir=a.ssd_context_dir, ssd_gib_per_hour=a.ssd_context_gib_per_hour,
-                prefix_cache_file=a.prefix_cache_file, fair_turn_s=a.fair_turn_s, kv_dtype=a.kv_dtype or "",
-                memory_fraction=a.memory_fraction,
-                block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-                chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps, attn_impl=a.attn_impl,
-                parallel=parallel_of(a))
+def engine_config(a):
+    """The EngineConfig of parsed engine flags (checked there: a bad value is a ValueError naming its flag)."""
+    from infernix_jax.engine.config import EngineConfig
+    return EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,
+                        prefix_cache=not a.no_prefix_cache, prefix_cache_ram_gib=a.prefix_cache_ram_gib,
+                        ram_resize=a.ram_resize, state_snapshots=a.state_snapshots,
+                        ssd_context_gib=a.ssd_context_gib, ssd_context_dir=a.ssd_context_dir,
+                        ssd_gib_per_hour=a.ssd_context_gib_per_hour, prefix_cache_file=a.prefix_cache_file,
+                        fair_turn_s=a.fair_turn_s, kv_dtype=a.kv_dtype or "", memory_fraction=a.memory_fraction,
+                        block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
+                        chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps,
+                        attn_impl=a.attn_impl, parallel=parallel_of(a))
 
 
 class Progress:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 from pallas_kernels.gated_deltanet_decode import gated_delta_rule_decode
 from pallas_kernels.gated_deltanet_prefill import gated_delta_rule_chunked_pallas
-from scripts.bench_shapes import copy_bandwidth, timed
+from scripts.bench_probes import copy_bandwidth, timed
 
 # linear-layer shapes: (key heads, value heads, dk, dv)
 SHAPES = {"qwen3.5-27b": (16, 48, 128, 128), "qwen3.5-35b-a3b": (16, 32, 128, 128), "qwen3-next-80b": (16, 32, 128, 128)}

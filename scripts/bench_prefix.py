@@ -50,7 +50,7 @@ def load(shape: str | None, model_spec: str, dtype: str):
 
 class PrefixBench:
     def __init__(self, model, tokens: int, workdir: Path, chunk: int, kv_dtype: str = ""):
-        from infernix_jax.models.paged import kv_bytes_per_token
+        from infernix_jax.models.kv_pool import kv_bytes_per_token
         self.model, self.T, self.dir, self.chunk, self.kv_dtype = model, tokens, workdir, chunk, kv_dtype
         self.per_tok = kv_bytes_per_token(model.cfg, model.dtype, kv_dtype)
         self.rng = np.random.default_rng(0)

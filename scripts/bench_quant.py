@@ -23,7 +23,7 @@ from infernix_jax.config import PRESETS
 from infernix_jax.quant.formats import dequantize, quantize
 from infernix_jax.quant.ggml import GGML_FORMATS, from_blocks, random_blocks
 from pallas_kernels import quant_matmul as qmm
-from scripts.bench_shapes import copy_bandwidth, timed
+from scripts.bench_probes import copy_bandwidth, timed
 
 SWEEP = {  # row class -> block sizes to try (bm, bn, bk, split, warps, stages)
     "decode": [(16, 32, 256, 1, 4, 3), (16, 32, 256, 2, 4, 3), (16, 64, 256, 2, 4, 3), (16, 64, 256, 4, 4, 3),

@@ -12,7 +12,6 @@ Results go to stdout as JSON lines as they are measured, and to OUT/bench-<shape
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -24,48 +23,13 @@ from infernix_jax.config import PRESETS
 from infernix_jax.engine import steps
 from infernix_jax.engine.sampler import SamplingArrays
 from infernix_jax.models.hybrid_paged import StateRows
-from infernix_jax.models.paged import KV_DTYPES, init_paged_kv, kv_bytes_per_token, num_attention_layers, state_bytes_per_seq
+from infernix_jax.models.kv_pool import KV_DTYPES, init_paged_kv, kv_bytes_per_token, num_attention_layers, state_bytes_per_seq
 from infernix_jax.engine.plan import params_bytes
 from infernix_jax.models.fuse import fuse_params
 from infernix_jax.models.params import init_params
 from infernix_jax.quant import WEIGHT_FORMATS
 from infernix_jax.sharding import Parallel
-
-GiB = 1 << 30
-
-
-def timed(fn, reps: int, warm_s: float = 0.3) -> float:
-    """Median seconds per call. Calls fn for warm_s first: an idle GPU runs its clocks low for the
-    first few milliseconds, and the first call compiles. fn must block on its result."""
-    t_end = time.perf_counter() + warm_s
-    fn()
-    while time.perf_counter() < t_end:
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """HBM bandwidth measured here, counting bytes read plus bytes written: the better of a 2 GiB
-    copy and a 2 GiB read (a sum), far larger than the L2. Decode steps mostly read, so the roofline
-    uses whichever the device does fastest."""
-    x = (jnp.arange(GiB, dtype=jnp.uint32) % 251).astype(jnp.bfloat16) - 125   # never zeros
-    copy = jax.jit(lambda a: a * 2)
-    read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    bw_copy = 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), 20)
-    bw_read = x.nbytes / timed(lambda: read(x).block_until_ready(), 20)
-    return max(bw_copy, bw_read)
-
-
-def matmul_flops() -> float:
-    """bf16 matmul throughput measured here (an 8192^3 product): the compute roofline of prefill."""
-    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
-    mm = jax.jit(lambda x: x @ x)
-    return 2 * 8192 ** 3 / timed(lambda: mm(a).block_until_ready(), 10)
+from scripts.bench_probes import GiB, copy_bandwidth, matmul_flops, timed
 
 
 def prefill_flops(cfg, n: int) -> float:

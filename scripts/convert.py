@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     def go():
         a = p.parse_args(argv)
-        from infernix_jax.weights.converted import convert
+        from infernix_jax.weights.convert import convert
         m = convert(a.src, a.dst, weights=a.weights, dtype=a.dtype, kv_dtype=a.kv_dtype or "")
         n = len(m["tensors"])
         print(f"infernix-convert: wrote {a.dst}: {n} tensors, {m['total_bytes'] / 2**30:.2f} GiB "

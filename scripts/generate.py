@@ -106,8 +106,13 @@ def main(argv=None) -> int:
     def go():
         a = p.parse_args(argv)
         apply_route(a)
+        if a.batch_size < 1:
+            raise ValueError("--batch-size must be >= 1")
         from infernix_jax import distributed
+        from infernix_jax.engine.config import EngineConfig
         parallel = parallel_of(a)
+        ec = EngineConfig(max_num_seqs=a.batch_size, max_model_len=a.max_model_len,
+                          attn_impl=getattr(a, "attn_impl", None), kv_dtype=a.kv_dtype or "", parallel=parallel)
         several = init_distributed(a)
         if not several or distributed.is_leader():         # (the other processes read no input)
             with open(a.input, encoding="utf-8") as f:
@@ -117,8 +122,7 @@ def main(argv=None) -> int:
         model = load_model(a.model, dtype=a.dtype, weights=a.weights, parallel=parallel)
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* metadata)")
-        engine = Engine(model, max_num_seqs=a.batch_size, max_model_len=a.max_model_len,
-                        attn_impl=getattr(a, "attn_impl", None), kv_dtype=a.kv_dtype or "", parallel=parallel)
+        engine = Engine(model, ec)
         if several and not distributed.is_leader():        # a follower runs process 0's steps, writes nothing
             engine.follow()
             return 0

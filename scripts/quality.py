@@ -10,7 +10,7 @@ maximum, how often the most likely next token is the same, and the perplexity ra
 Each format x KV dtype also gets its honest-rounding floor: the KL of the lossless route with the
 weights rounded to the format's values with exact scales and K/V rounded to nearest with an exact
 f32 scale per head and token (what --kv-dtype stores), nothing else changed
-(infernix_jax/quant/quality.py), and each route's mean KL over that floor. Prints a table and writes the numbers as JSON."""
+(infernix_jax/quality.py), and each route's mean KL over that floor. Prints a table and writes the numbers as JSON."""
 from __future__ import annotations
 
 import argparse
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         if not fmts or bad:
             raise ValueError(f"unknown --weights {', '.join(sorted(bad)) or '(none given)'}; "
                              f"choose from none, {', '.join(FORMATS)}")
-        from infernix_jax.models.paged import KV_DTYPES
+        from infernix_jax.models.kv_pool import KV_DTYPES
         kvs = [k for k in a.kv_dtype.split(",") if k]
         if "bf16p" in kvs:
             raise ValueError("--kv-dtype bf16p is lossless (KL 0 by construction; tests/test_kv_bf16p.py checks the "
@@ -112,7 +112,7 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
             max_tokens: int, chunk: int = 0, kv_dtypes: list[str] = ("",)) -> dict:
     import jax
     from infernix_jax.loader import DTYPES, load_model
-    from infernix_jax.quant import quality as ql
+    from infernix_jax import quality as ql
     from infernix_jax.models.fuse import fuse_params
     from infernix_jax.quant.apply import quantize_params, with_impl
     model = load_model(model_spec, dtype="float32", fuse=False)     # quantized part by part, then fused, as served

@@ -8,8 +8,8 @@ import os
 import sys
 
 from scripts import serve_config
-from scripts._common import (add_engine_args, add_model_args, apply_route, check_lossless, describe_prefix_cache,
-                             engine_kwargs, init_distributed, run)
+from scripts._common import (add_engine_args, add_model_args, apply_route, check_lossless, engine_config,
+                             init_distributed, run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,25 +76,19 @@ def main(argv=None) -> int:
         _check_port(a)
         if a.plan:
             from infernix_jax.loader import DTYPES, load_config, planned_gguf_bytes
-            from infernix_jax.engine.plan import make_plan
             cfg = load_config(a.model)
-            kw = engine_kwargs(a)
+            ec = engine_config(a)
             from infernix_jax.quant import check_weights
             check_weights(a.weights, a.dtype, a.stored_weights, a.model)     # what loading would refuse
             fmt = a.weights or a.stored_weights
-            plan = make_plan(cfg, DTYPES[a.dtype], max_model_len=min(kw["max_model_len"] or cfg.max_position_embeddings,
-                                                                      cfg.max_position_embeddings),
-                             max_num_seqs=kw["max_num_seqs"], block_size=kw["block_size"],
-                             kv_cache_gib=kw["kv_cache_gib"], memory_fraction=kw["memory_fraction"],
-                             max_num_batched_tokens=kw["max_num_batched_tokens"], weights_format=fmt,
-                             kv_dtype=kw["kv_dtype"], parallel=kw["parallel"],
-                             weights_bytes=planned_gguf_bytes(a.model, DTYPES[a.dtype]) if fmt == "gguf" else None)
+            plan = ec.plan(cfg, DTYPES[a.dtype], fmt,
+                           planned_gguf_bytes(a.model, DTYPES[a.dtype]) if fmt == "gguf" else None)
             print(f"model:              {a.model} ({cfg.family}, {cfg.num_layers} layers, dtype {a.dtype}"
                   f"{', weights ' + fmt if fmt else ''})")
             print(plan.describe())
-            if fmt == "gguf" and kw["parallel"]:
+            if fmt == "gguf" and ec.parallel:
                 print("(GGUF weights: the whole file's size, not one device's share)")
-            print(describe_prefix_cache(kw))
+            print(ec.describe_prefix_cache())
             return 0
         from server.app import create_app
         limits = _limits(a)                  # checked before loading a model: a bad flag fails in a second
@@ -102,16 +96,16 @@ def main(argv=None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from infernix_jax.engine import Engine
         from infernix_jax.loader import load_model
-        kw = engine_kwargs(a)
+        ec = engine_config(a)
         several = init_distributed(a)        # several hosts: every process joins before using a device
-        if kw["parallel"]:                   # enough devices? (before loading: a wrong count fails at once)
+        if ec.parallel:                      # enough devices? (before loading: a wrong count fails at once)
             from infernix_jax.sharding import make_mesh
-            make_mesh(kw["parallel"])
+            make_mesh(ec.parallel)
         # tensor parallelism splits q/k/v and gate/up each by heads / units: kept apart (sharding.py)
-        model = load_model(a.model, dtype=a.dtype, weights=a.weights, parallel=kw["parallel"])
+        model = load_model(a.model, dtype=a.dtype, weights=a.weights, parallel=ec.parallel)
         from infernix_jax import distributed
         if several and not distributed.is_leader():        # a follower runs process 0's steps, serves nothing
-            Engine(model, **kw).follow()
+            Engine(model, ec).follow()
             return 0
         if model.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer (tokenizer.json, or a GGUF's tokenizer.ggml.* "
@@ -122,9 +116,9 @@ def main(argv=None) -> int:
         auto = a.generation_config == "auto"
         _apply_generation_config(limits, model.generation_defaults if auto else {}, override,
                                  model.generation_source if auto else "")
-        engine = Engine(model, **kw)
+        engine = Engine(model, ec)
         print(engine.plan.describe(), file=sys.stderr)
-        print(describe_prefix_cache(kw), file=sys.stderr)
+        print(ec.describe_prefix_cache(), file=sys.stderr)
         print(f"route:              {'lossless (f32 everywhere, reference kernels)' if a.lossless else 'default'}"
               + (f", weights {model.weights_format}" if model.weights_format else ""), file=sys.stderr)
         if a.warmup != "none":
@@ -173,7 +167,7 @@ def _admin_info(p, started: dict, config_file: str | None):
 
     def validate(settings: dict) -> dict:            # the checks a start makes before loading
         ns = serve_config.parse_checked(p, settings)
-        engine_kwargs(ns)
+        engine_config(ns)
         _check_port(ns)
         check_lossless(ns)
         _limits(ns)

@@ -135,8 +135,8 @@ def constraint(engine, fmt, fmt_param: str, tools, forced, template_kwargs: dict
     return validated(engine, grammar, param)
 
 
-def sampling(body, max_tokens: int) -> SamplingParams:
-    """The sampling fields Chat and Completions share."""
+def sampling(body, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+    """The sampling fields Chat, Completions and Responses share; grammar: what the output must follow."""
     seed = get_int(body, "seed", None, -(2**63), 2**63 - 1)
     top_k = get_int(body, "top_k", 0, -1)          # vLLM extension; -1 and 0 both mean off
     top_p = get_number(body, "top_p", 1.0, 0.0, 1.0)
@@ -158,6 +158,7 @@ def sampling(body, max_tokens: int) -> SamplingParams:
         repetition_penalty=get_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        grammar=grammar,
     )
 
 
@@ -193,8 +194,7 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], list[Samplin
     grammar = constraint(engine, body.get("response_format"), "response_format", tools, forced, kwargs)
     ids, text = render(engine, messages, tools, kwargs)
     n = get_int(body, "n", 1, 1, MAX_N)
-    params = sampling(body, budget(engine, len(ids), requested_max_tokens(body)))
-    params.grammar = grammar
+    params = sampling(body, budget(engine, len(ids), requested_max_tokens(body)), grammar)
     stream = get_bool(body, "stream", False)
     opts = get_dict(body, "stream_options") or {}
     meta = {

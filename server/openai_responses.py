@@ -175,8 +175,7 @@ def build(body, engine, tolerant: bool = False):
     ids, text = render(engine, messages, tools, kwargs, "input")
     max_out = get_int(body, "max_output_tokens", None, 1)
     sampling_body = {k: body[k] for k in ("temperature", "top_p", "top_k", "seed", "stop") if k in body}
-    params = sampling(sampling_body, budget(engine, len(ids), max_out, "max_output_tokens"))
-    params.grammar = grammar
+    params = sampling(sampling_body, budget(engine, len(ids), max_out, "max_output_tokens"), grammar)
     meta = {"id": "resp_" + secrets.token_hex(12), "created_at": int(time.time()),
             "model": body.get("model") if isinstance(body.get("model"), str) else engine.model_name,
             "stream": get_bool(body, "stream", False), "spaces": spaces, "forced_tool": forced,

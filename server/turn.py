@@ -56,8 +56,9 @@ class Turn:
         self.stats = stats                   # a metrics.RequestStats shared by the request's turns, or None
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        params.think_open = features.starts_in_reasoning
-        params.think_guard = features.reasoning and features.refuse_end_in_thinking
+        # the prompt's own reasoning state goes with the request (a copy: params stay as built)
+        params = dataclasses.replace(params, think_open=features.starts_in_reasoning,
+                                     think_guard=features.reasoning and features.refuse_end_in_thinking)
         self.req = Request(prompt_ids=prompt_ids, params=params, on_event=self._deliver)
         self.reasoning = ReasoningParser(in_reasoning=features.starts_in_reasoning) if features.reasoning else None
         self.tools = ToolCallParser(features.tool_format, features.tools) if features.tool_format else None

@@ -12,6 +12,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 # fp32 equivalence tests mean fp32: on GPUs XLA would otherwise use TF32 for f32 matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# JAX's persistent compilation cache, on as every command has it (INFERNIX_COMPILE_CACHE moves it or
+# turns it off): a later run of the suite reads back the thousands of steps and kernels this one compiles
+from infernix_jax import compile_cache  # noqa: E402
+compile_cache.enable()
+
 
 _COMPILES = {"n": 0}
 jax.monitoring.register_event_duration_secs_listener(

@@ -293,7 +293,7 @@ def test_bucket():
 
 
 def test_chained_block_keys_follow_the_prefix():
-    from infernix_jax.engine.block_manager import BlockManager
+    from infernix_jax.cache.block_manager import BlockManager
     from infernix_jax.engine.sequence import Sequence
     bm = BlockManager(num_blocks=8, block_size=4)
     a = Sequence(Request(list(range(10)), greedy(4)), None, set())

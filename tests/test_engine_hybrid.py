@@ -10,7 +10,7 @@ import pytest
 
 from hf_reference import hf_config
 from infernix_jax.config import ModelConfig
-from infernix_jax.engine.block_manager import chain_key
+from infernix_jax.cache.block_manager import chain_key
 from infernix_jax.engine import Engine, Request, SamplingParams
 from infernix_jax.engine.plan import make_plan
 from infernix_jax.loader import LoadedModel
@@ -166,7 +166,7 @@ def test_loop_guard_inside_a_multi_step_decode_recomputes_the_state(hybrid, prom
 
 
 def test_scoring_a_hybrid_in_pieces_carries_its_state(hybrid, prompts):
-    from infernix_jax.quant.quality import window_logprobs
+    from infernix_jax.quality import window_logprobs
     ids = prompts[4]                                   # 150 tokens: across blocks and pieces
     whole = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference")
     pieces = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference", chunk=64)

@@ -213,8 +213,8 @@ def test_a_request_whose_kv_cannot_be_packed_fails_alone(tiny_bf16, monkeypatch)
 @pytest.mark.extended
 def test_bf16p_blocks_come_back_from_the_ssd_tier_and_the_cache_file(tiny_bf16, tmp_path):
     from infernix_jax.engine import Engine, Request, SamplingParams
-    from infernix_jax.engine.host_tier import GiB
-    from infernix_jax.models.paged import kv_bytes_per_block
+    from infernix_jax.cache.host_tier import GiB
+    from infernix_jax.models.kv_pool import kv_bytes_per_block
     rng = np.random.default_rng(9)
     system = list(map(int, rng.integers(10, 40000, 70)))
     prompt = system + [11, 12, 13]
@@ -243,7 +243,7 @@ def test_bf16p_blocks_come_back_from_the_ssd_tier_and_the_cache_file(tiny_bf16, 
 
 def test_blocks_too_large_for_an_escape_position_are_refused(tiny_bf16):
     import dataclasses
-    from infernix_jax.models.paged import init_paged_kv
+    from infernix_jax.models.kv_pool import init_paged_kv
     cfg = dataclasses.replace(tiny_bf16.cfg, head_dim=128)
     init_paged_kv(cfg, 4, 256, jnp.bfloat16, kv_dtype="bf16p")                  # 256 x 128 = 32768: fine
     with pytest.raises(ValueError, match="use --block-size 256 or less"):

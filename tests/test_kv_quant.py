@@ -84,7 +84,7 @@ def test_padding_slots_are_dropped_and_untouched_rows_keep_their_codes():
 def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtype):
     import dataclasses
     from infernix_jax.models import kv_blocks
-    from infernix_jax.models.paged import init_paged_kv
+    from infernix_jax.models.kv_pool import init_paged_kv
     cfg = dataclasses.replace(smollm.cfg, num_layers=2)
     rng = np.random.default_rng(4)
     dtype = jnp.bfloat16 if kv_dtype == "bf16p" else jnp.float32
@@ -110,7 +110,7 @@ def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtyp
 @pytest.mark.extended
 @pytest.mark.parametrize("kv_dtype,max_kl", [("int8", 0.002), ("fp8", 0.01), ("k8v4", 0.05)])  # measured 0.0005, 0.003, 0.016
 def test_quantized_kv_costs_little_against_the_model_dtype(smollm, kv_dtype, max_kl):
-    from infernix_jax.quant.quality import compare, scored, window_logprobs
+    from infernix_jax.quality import compare, scored, window_logprobs
     text = ("The river Tagus rises in the mountains of eastern Spain and flows west through Toledo before "
             "it reaches the Atlantic at Lisbon, where its estuary forms one of the largest natural harbours "
             "of Europe. Its basin drains much of the central plateau, and its water feeds the cities of both "

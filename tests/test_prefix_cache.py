@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from infernix_jax.engine import Engine, Request, SamplingParams
-from infernix_jax.engine.block_manager import BlockManager
-from infernix_jax.engine.host_tier import GiB, HostTier
+from infernix_jax.cache.block_manager import BlockManager
+from infernix_jax.cache.host_tier import GiB, HostTier
 from infernix_jax.engine.sequence import Sequence
 from test_engine import tiny  # noqa: F401  (fixture)
 from test_engine_hybrid import hybrid  # noqa: F401  (fixture)
@@ -84,7 +84,7 @@ def test_next_turn_resumes_from_the_end_of_the_reply(tiny, texts, n, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_evicted_blocks_come_back_from_the_ram_tier(tiny, texts, kv_dtype):
-    from infernix_jax.models.paged import kv_bytes_per_block
+    from infernix_jax.models.kv_pool import kv_bytes_per_block
     system, prompts = texts
     per_block = kv_bytes_per_block(tiny.cfg, tiny.dtype, kv_dtype, 16)
     eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
@@ -220,7 +220,7 @@ def test_hybrid_reply_ending_on_a_stop_token_inside_a_dispatch_leaves_its_snapsh
 
 @pytest.mark.extended
 def test_hybrid_snapshot_comes_back_from_the_ssd_tier(hybrid, tmp_path):
-    from infernix_jax.engine.ssd_tier import SNAP
+    from infernix_jax.cache.ssd_tier import SNAP
     rng = np.random.default_rng(6)
     prompt = list(map(int, rng.integers(10, 40000, 150)))
     eng = Engine(hybrid, max_num_seqs=2, max_num_batched_tokens=48, decode_steps=1, state_snapshots=2,
@@ -285,7 +285,7 @@ class Blk:
 
 
 def ssd_tier(tmp_path, gib=1.0, per_hour=8.0, clock=None):
-    from infernix_jax.engine.ssd_tier import SSDTier
+    from infernix_jax.cache.ssd_tier import SSDTier
     kw = {"clock": clock} if clock else {}
     return SSDTier(str(tmp_path), int(gib * GiB), per_hour, block_shape=(2, 3, 4, 8), dtype=np.float32, **kw)
 
@@ -302,7 +302,7 @@ def test_ssd_records_round_trip_and_a_corrupt_one_is_a_miss(tmp_path):
         k, v = ssd.get(b.key).arrays()
         np.testing.assert_array_equal(k, b.k)
         np.testing.assert_array_equal(v, b.v)
-    from infernix_jax.engine.ssd_tier import HEADER
+    from infernix_jax.cache.ssd_tier import HEADER
     where = {4: lambda n: n // 2,                  # inside the compressed payload
              2: lambda n: HEADER.size + 1,         # a token
              1: lambda n: n - 1}                   # the payload's checksum itself
@@ -342,7 +342,7 @@ def test_ssd_write_budget_holds_and_the_ring_wraps(tmp_path):
 @pytest.mark.extended
 @pytest.mark.parametrize("disk,kv_dtype", [("fast", ""), ("slow", ""), ("fast", "int8"), ("fast", "k8v4")])
 def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path, disk, kv_dtype):
-    from infernix_jax.models.paged import kv_bytes_per_block
+    from infernix_jax.models.kv_pool import kv_bytes_per_block
     system, prompts = texts
     per_block = kv_bytes_per_block(tiny.cfg, tiny.dtype, kv_dtype, 16)
     eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
@@ -402,7 +402,7 @@ def test_ssd_read_runs_while_others_decode(tiny, texts, tmp_path):
 
 
 def test_costs_read_the_disk_only_when_it_beats_computing():
-    from infernix_jax.engine.prefix_cache import Costs
+    from infernix_jax.cache.prefix_cache import Costs
     now = [0.0]
     c = Costs(retry_s=600, clock=lambda: now[0])
     assert c.disk_pays(10 ** 9, 1000)              # nothing measured yet: read

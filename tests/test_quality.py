@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from infernix_jax.quant.formats import E2M1, FORMATS, dequantize, quantize
-from infernix_jax.quant.quality import Stats, compare, honest_round, scored, windows
+from infernix_jax.quality import Stats, compare, honest_round, scored, windows
 
 
 def weights(seed, shape=(40, 300)):
@@ -125,7 +125,7 @@ def test_reference_log_probs_spill_to_disk_past_the_limit(tmp_path, monkeypatch)
 
 def test_scoring_in_pieces_gives_the_whole_window_s_log_probs(smollm):
     """Pieces of a few tokens continue the pool (and a hybrid's state) from the positions before."""
-    from infernix_jax.quant.quality import window_logprobs
+    from infernix_jax.quality import window_logprobs
     ids = smollm.tokenizer.encode("The river Tagus rises in the mountains of eastern Spain and flows west "
                                   "through Toledo before it reaches the Atlantic at Lisbon.")
     whole = window_logprobs(smollm.params, smollm.cfg, ids, smollm.dtype, "reference")

@@ -158,7 +158,7 @@ def test_bf16p_model_is_bit_identical_to_plain_bf16(smollm):
     from infernix_jax.engine import Engine, Request, SamplingParams
     from infernix_jax.loader import load_model
     from infernix_jax.quant.packed import report
-    from infernix_jax.quant.quality import window_logprobs
+    from infernix_jax.quality import window_logprobs
     plain = load_model(str(smollm.path), dtype="bfloat16")
     packed = load_model(str(smollm.path), dtype="bfloat16", weights="bf16p")
     bf16, size, esc = report(packed.params)
@@ -180,7 +180,7 @@ def test_bf16p_saves_device_memory_at_run_time(smollm):
     from infernix_jax.engine import steps
     from infernix_jax.engine.sampler import SamplingArrays
     from infernix_jax.loader import load_model
-    from infernix_jax.models.paged import init_paged_kv
+    from infernix_jax.models.kv_pool import init_paged_kv
     total = {}
     for w in (None, "bf16p"):
         m = load_model(str(smollm.path), dtype="bfloat16", weights=w, with_tokenizer=False)

@@ -175,8 +175,8 @@ def test_prefix_cache_tiers_and_snapshots_on_a_mesh(dense, smollm):
     """Blocks split by KV head go to the RAM tier and come back into their shards (the pool keeps
     its sharding), and a hybrid's state snapshot resumes a cached prefix: the same tokens as one
     device without any cache."""
-    from infernix_jax.engine.host_tier import GiB
-    from infernix_jax.models.paged import kv_bytes_per_block
+    from infernix_jax.cache.host_tier import GiB
+    from infernix_jax.models.kv_pool import kv_bytes_per_block
     from test_engine_hybrid import tiny_hybrid
     rng = np.random.default_rng(3)
     system = list(map(int, rng.integers(10, 49000, 64)))

@@ -17,17 +17,19 @@ import numpy as np
 from .. import distributed, sharding
 from ..loader import LoadedModel
 from ..sharding import Parallel
-from .block_manager import BlockManager, root_key
-from .host_tier import GiB, HostTier
-from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, make_plan, params_bytes
+from ..cache.block_manager import BlockManager, root_key
+from ..cache.host_tier import GiB, HostTier
+from .config import EngineConfig
+from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, params_bytes
 from .request import Event, Request, Result, SamplingParams
 from .runner import STOP_WIDTH, Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
-from . import cache_file, shapes
-from .prefix_cache import PrefixCache
-from .ssd_tier import SSDTier
+from ..cache import cache_file
+from . import shapes
+from ..cache.prefix_cache import PrefixCache
+from ..cache.ssd_tier import SSDTier
 from .scheduler import Scheduler
-from .snapshots import SnapshotStore
+from ..cache.snapshots import SnapshotStore
 from .sequence import Sequence, Status
 from .stops import TextTracker
 
@@ -56,17 +58,17 @@ def repeats(ids: list[int], min_period: int = 8, max_period: int = 128, times: i
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, *, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 kv_cache_gib: float | None = None, memory_fraction: float = 0.9, block_size: int = 16, max_num_batched_tokens: int = 512,
-                 chunked_prefill: bool = True, decode_steps: int | None = None, attn_impl: str | None = None,
-                 state_snapshots: int | None = None, prefix_cache: bool = True, prefix_cache_ram_gib: float = 0.0,
-                 ram_resize: str = "auto", ssd_context_gib: float = 0.0, ssd_context_dir: str | None = None,
-                 ssd_gib_per_hour: float = 8.0, prefix_cache_file: str | None = None, fair_turn_s: float = 1.0,
-                 kv_dtype: str = "", parallel: Parallel | None = None, shapes_dir: str | None = None):
-        from ..models.paged import check_kv_dtype
-        check_kv_dtype(kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, **settings):
+        """config: the engine's settings (EngineConfig); keywords change single ones of it
+        (`Engine(model, max_num_seqs=4)`), checked as the command line's are."""
+        c = self.config = (config or EngineConfig()).replace(**settings)
+        from ..models.kv_pool import check_kv_dtype
+        check_kv_dtype(c.kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
+        state_snapshots, parallel, kv_dtype, block_size = c.state_snapshots, c.parallel, c.kv_dtype, c.block_size
+        max_num_seqs = c.max_num_seqs
         if distributed.several():
-            _check_several_hosts(kv_dtype, prefix_cache_ram_gib, ssd_context_gib, prefix_cache_file, state_snapshots)
+            _check_several_hosts(kv_dtype, c.prefix_cache_ram_gib, c.ssd_context_gib, c.prefix_cache_file,
+                                 state_snapshots)
             distributed.check_mesh(parallel)
             state_snapshots = 0          # hybrids: no snapshots across hosts yet (distributed.py)
         self.kv_dtype = kv_dtype
@@ -75,14 +77,9 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.model_name = model.name
         on_gpu = jax.devices()[0].platform == "gpu"
-        self.max_context = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
-        self.plan: MemoryPlan = make_plan(self.cfg, model.dtype, max_model_len=self.max_context,
-                                          max_num_seqs=max_num_seqs, block_size=block_size,
-                                          kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
-                                          max_num_batched_tokens=max_num_batched_tokens,
-                                          weights_format=model.weights_format,
-                                          weights_bytes=self._weights_bytes(model, parallel), kv_dtype=kv_dtype,
-                                          parallel=parallel)
+        self.max_context = c.context(self.cfg)
+        self.plan: MemoryPlan = c.plan(self.cfg, model.dtype, model.weights_format,
+                                       self._weights_bytes(model, parallel))
         # Prefix keys start from a root that names what the blocks' contents depend on.
         dtype_name = np.dtype(model.dtype).name
         weights = cache_file.weights_identity(model.path) or model.name      # random weights: the name
@@ -95,10 +92,10 @@ class Engine:
         self.fingerprint = cache_file.fingerprint(f"{weights}|{precision}|{model.cfg}", dtype_name,
                                                   kv_dtype or dtype_name, block_size, jax.devices()[0].device_kind)
         self.bm = BlockManager(self.plan.num_blocks, block_size, root=root_key(json.dumps(self.fingerprint)),
-                               cache=prefix_cache)
-        steps = decode_steps if decode_steps is not None else (8 if on_gpu else 4)
+                               cache=c.prefix_cache)
+        steps = c.decode_steps if c.decode_steps is not None else (8 if on_gpu else 4)
         # Without chunking a whole prompt must fit in one step's budget.
-        budget = max(max_num_batched_tokens, max_num_seqs, 0 if chunked_prefill else self.max_context)
+        budget = max(c.max_num_batched_tokens, max_num_seqs, 0 if c.chunked_prefill else self.max_context)
         self.hybrid = hybrid = bool(self.cfg.layer_types)
         # Hybrids: a state slot per running sequence; the rows feeding several tokens in one step are
         # capped (the linear layers pad each of them to the step's token count).
@@ -107,19 +104,19 @@ class Engine:
         # (whole blocks, whole GDN chunks), where the state is copied to host memory (see SnapshotStore);
         # so does a sequence that ends. The prefix cache resumes a hybrid only from a snapshot.
         if state_snapshots is None:
-            state_snapshots = 16 if prefix_cache else 0
+            state_snapshots = 16 if c.prefix_cache else 0
         self.snapshots = SnapshotStore(state_snapshots, math.lcm(block_size, 64)) \
             if hybrid and state_snapshots > 0 else None
         self.cache_file = None
-        self.cache = self._prefix_cache(prefix_cache, prefix_cache_ram_gib, ram_resize, ssd_context_gib,
-                                        ssd_context_dir, ssd_gib_per_hour, prefix_cache_file)
-        self.scheduler = Scheduler(self.bm, max_num_seqs, budget, chunked_prefill, steps,
+        self.cache = self._prefix_cache(c.prefix_cache, c.prefix_cache_ram_gib, c.ram_resize, c.ssd_context_gib,
+                                        c.ssd_context_dir, c.ssd_gib_per_hour, c.prefix_cache_file)
+        self.scheduler = Scheduler(self.bm, max_num_seqs, budget, c.chunked_prefill, steps,
                                    state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows,
                                    align=self.snapshots.interval if self.snapshots is not None else 0,
-                                   cache=self.cache, turn_s=fair_turn_s)
+                                   cache=self.cache, turn_s=c.fair_turn_s)
         if self.snapshots is not None:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
-        impl = attn_impl or ("pallas" if on_gpu else "reference")
+        impl = c.attn_impl or ("pallas" if on_gpu else "reference")
         self.runner = Runner(model, self.plan.num_blocks, block_size, impl, state_slots=max_num_seqs,
                              max_context=self.max_context, kv_dtype=kv_dtype, parallel=parallel)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
@@ -135,9 +132,9 @@ class Engine:
         self.shape_limits = shapes.Limits(max_num_seqs, budget, block_size, self.max_context, steps,
                                           self.runner.table_width, self.runner.multi_bucket)
         identity = json.dumps([self.fingerprint, self.plan.num_blocks, max_num_seqs, budget, steps, self.max_context,
-                               impl, kv_dtype, str(parallel), chunked_prefill])
+                               impl, kv_dtype, str(parallel), c.chunked_prefill])
         # shapes_dir: where that record lives (default: JAX's compilation cache directory, none when off)
-        self.earlier_shapes = self.runner.shapes.attach(shapes_dir or jax.config.jax_compilation_cache_dir, identity)
+        self.earlier_shapes = self.runner.shapes.attach(c.shapes_dir or jax.config.jax_compilation_cache_dir, identity)
         self._warm_queue: list[tuple] = []
         self._idle_keys: list[tuple] = []
         self._warm_t0 = 0.0
@@ -154,12 +151,8 @@ class Engine:
 
     def _prefix_cache(self, on: bool, ram_gib: float, ram_resize: str, ssd_gib: float, ssd_dir: str | None,
                       ssd_per_hour: float, path: str | None) -> PrefixCache | None:
-        if ram_gib < 0 or ssd_gib < 0:
-            raise ValueError("--prefix-cache-ram-gib and --ssd-context-gib must be >= 0")
         if not on:
             return None
-        if ssd_gib > 0 and not ssd_dir:
-            raise ValueError("--ssd-context-gib needs --ssd-context-dir DIR")
         if (ssd_gib > 0 or path) and ram_gib == 0:
             ram_gib = 1.0          # the SSD tier and the cache file work through the RAM tier
             log.info("prefix cache: a 1 GiB RAM tier for the SSD tier / cache file")
@@ -168,7 +161,7 @@ class Engine:
         ssd = None
         if ssd_gib > 0:
             from ..models.kv_blocks import host_block_layout
-            from ..models.paged import num_attention_layers
+            from ..models.kv_pool import num_attention_layers
             k_shape, v_shape, block_dtype = host_block_layout(cfg, bs, self.model.dtype, self.kv_dtype)
             layout = None
             if self.hybrid:             # one snapshot: conv and ssm of each linear layer

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..models.paged import kv_bytes_per_block, state_bytes_per_seq
+from ..models.kv_pool import kv_bytes_per_block, state_bytes_per_seq
 from ..models.params import abstract_params
 
 GiB = 1 << 30

@@ -9,8 +9,10 @@ from typing import Callable
 _ids = itertools.count()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """A request's sampling settings: built once (server/, scripts/), never changed afterwards
+    (dataclasses.replace makes a changed copy)."""
     max_tokens: int = 256
     temperature: float = 1.0      # 0 = greedy
     top_p: float = 1.0

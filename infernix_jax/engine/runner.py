@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.hybrid_paged import StateRows
-from ..models.paged import PagedKV, init_paged_kv
+from ..models.kv_pool import PagedKV, init_paged_kv
 from ..quant.apply import with_impl
 from .. import distributed, sharding
 from . import shapes, steps

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from .block_manager import BlockManager
+from ..cache.block_manager import BlockManager
 from .sequence import Sequence, Status
 
 

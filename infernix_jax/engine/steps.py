@@ -11,7 +11,8 @@ from ..config import ModelConfig
 from ..sharding import replicated
 from ..models import forward
 from ..models.llama import KVCache, logits_from_hidden
-from ..models.paged import PagedKV, forward_paged
+from ..models.kv_pool import PagedKV
+from ..models.paged import forward_paged
 from .sampler import Penalties, SamplingArrays, ThinkGuard, sample
 
 

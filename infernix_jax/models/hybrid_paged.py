@@ -24,7 +24,7 @@ from flax import struct
 from ..config import ModelConfig
 from ..sharding import constrain
 from .hybrid import gated_attention, gdn_core, gdn_inputs, gdn_output, hybrid_mlp, rms_norm_1p
-from .paged import PagedKV, paged_attend
+from .kv_pool import PagedKV, paged_attend
 from .host_memory import to_device, to_host
 
 

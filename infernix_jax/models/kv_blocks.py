@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .host_memory import to_device, to_host
-from .paged import PagedKV
+from .kv_pool import PagedKV
 
 
 CHUNK = 256
@@ -41,7 +41,7 @@ def host_block_layout(cfg, block_size: int, dtype, kv_dtype: str = ""):
     """-> (k shape, v shape, dtype) of one block as read_blocks hands it to the host tiers:
     [L, nKV, bs, hd] in the model dtype, or quantized [L, nKV, R] uint8 (codes, then scales)."""
     from pallas_kernels import kv_quant
-    from .paged import KV_DTYPES, num_attention_layers
+    from .kv_pool import KV_DTYPES, num_attention_layers
     L, nKV = num_attention_layers(cfg), cfg.num_kv_heads
     if not kv_dtype:
         return (L, nKV, block_size, cfg.head_dim), (L, nKV, block_size, cfg.head_dim), np.dtype(dtype)

@@ -58,7 +58,7 @@ KERNEL_MAX_ROWS = 128
 # f32 times the scale, written so that XLA fuses the codes' conversion into its own GEMM (its
 # autotuned Triton emitter; nothing between the two). On the H200 it beat the Pallas kernel from 32
 # rows (qwen3-8b decode at batch 64: 1.23x) and dequantizing first up to 1024 rows; the kernel
-# stays faster up to 16 rows, dequantizing first at 4K (scripts/experiments/xla_fused_dequant.py,
+# stays faster up to 16 rows, dequantizing first at 4K (experiments/xla_fused_dequant.py,
 # docs/benchmarks.md). XLA fuses no blocked scales this way: the other formats keep the routes above.
 XLA_FUSED_ROWS = (16, 1024)          # (exclusive, inclusive)
 XLA_FUSED_FORMATS = ("int8", "fp8")

@@ -1,5 +1,5 @@
 """Experiment (issue 7): the quantized matmul's decode tiles judged inside a decode step, not alone.
-`python -m scripts.experiments.tune_decode_qmm [--weights fp8,int8] [--batch 1]`.
+`python -m experiments.tune_decode_qmm [--weights fp8,int8] [--batch 1]`.
 The isolated-product bench (`infernix-bench qmatmul --tune`) lands every kernel near the same ~40 us
 floor at one row, so its choice of tiles says little; here each candidate replaces
 quant_matmul.for_rows for decode's rows, the bench tool's qwen3-8b decode (context 1024) is rebuilt,
@@ -11,7 +11,7 @@ import jax
 
 from pallas_kernels import quant_matmul as qmm
 from scripts import bench_shapes
-from scripts.experiments.profile_decode import decode_traced, emit
+from experiments.profile_decode import decode_traced, emit
 
 CANDIDATES = [  # (bn, bk, split, warps, stages) at bm = 16; the first is the shipped one
     (32, 256, 2, 4, 3), (32, 256, 0, 4, 3), (32, 256, 1, 4, 3), (32, 256, 4, 4, 3),

@@ -1,5 +1,5 @@
 """Experiment (issue 7): what limits the 8-bit decode kernel inside a step: the code conversion?
-`python -m scripts.experiments.qmm_convert_variants [--check]`.
+`python -m experiments.qmm_convert_variants [--check]`.
 Each variant replaces quant_matmul's kernel body for int8 / fp8 weights (the rest of the call is
 the shipped one), the bench tool's qwen3-8b decode (batch 1, context 1024) is rebuilt and timed,
 and one dispatch is traced for the quantized kernels' device time per step. `--check` runs each
@@ -96,7 +96,7 @@ def main():
     if a.check:
         return check()
     from scripts import bench_shapes
-    from scripts.experiments.profile_decode import decode_traced, emit
+    from experiments.profile_decode import decode_traced, emit
     out = Path(os.environ.get("OUT", tempfile.mkdtemp()))
     res = []
     for w in a.weights.split(","):

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .apply import quantized_names
-from .formats import F8, F8_MAX, E2M1_MAX, _e2m1_codes, E2M1
+from .quant.apply import quantized_names
+from .quant.formats import F8, F8_MAX, E2M1_MAX, _e2m1_codes, E2M1
 
 # value grid and group of each format's honest rounding: (grid, group along the input axis, tile
 # rows: 128 for fp8b's 128 x 128 tiles, 1 otherwise); group 0 means one scale per output channel.
@@ -85,8 +85,8 @@ def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_si
     """Log-probabilities [T, V] (numpy f32) of the next token at every position of ids, through the
     paged path the server runs (a fresh pool): one prefill, or pieces of `chunk` tokens (few rows
     run the fused quantized matmul, as decode does; a whole window runs prefill's XLA route)."""
-    from ..engine.steps import prefill_logprobs
-    from ..models.paged import init_paged_kv
+    from .engine.steps import prefill_logprobs
+    from .models.kv_pool import init_paged_kv
     T = len(ids)
     M = -(-T // block_size)
     kv = init_paged_kv(cfg, M + 1, block_size, dtype, state_slots=1, kv_dtype=kv_dtype)

@@ -1,5 +1,5 @@
 """Experiment (issue 7): where a batch-1 decode step's GPU time goes, bf16 against quantized weights.
-`python -m scripts.experiments.profile_decode [--shape qwen3-8b] [--weights none,fp8] [--impl pallas]`.
+`python -m experiments.profile_decode [--shape qwen3-8b] [--weights none,fp8] [--impl pallas]`.
 Runs the bench tool's decode (random weights, context 1024, 8 steps a dispatch), then traces one more
 dispatch with jax.profiler (perfetto JSON) and sums the device's kernel time by kernel name."""
 import argparse, collections, glob, gzip, json, os, re, tempfile

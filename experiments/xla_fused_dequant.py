@@ -1,6 +1,6 @@
 """Experiment (issue 7): can XLA's own GEMM (its Triton emitter, autotuned, split-K included) fuse the
 8-bit code conversion and beat the Pallas kernel's streaming rate in decode?
-`python -m scripts.experiments.xla_fused_dequant [--part alone,step] [--weights fp8,int8]`.
+`python -m experiments.xla_fused_dequant [--part alone,step] [--weights fp8,int8]`.
   alone  one product at a time on qwen3-8b's fused projections (copies of the weight in one jit,
          >= 1 GiB, as `infernix-bench qmatmul` times them): bf16 x @ W^T, the Pallas kernel, and
          dot(x, codes as bf16) * channel scale with nothing between (layers.linear's form between XLA_FUSED_ROWS), and
@@ -20,7 +20,7 @@ from infernix_jax.quant.formats import dequantize, quantize
 from pallas_kernels import quant_matmul as qmm
 from scripts import bench_shapes
 from scripts.bench_quant import projections
-from scripts.experiments.profile_decode import decode_traced, emit
+from experiments.profile_decode import decode_traced, emit
 
 
 def xla_fused(x, q):

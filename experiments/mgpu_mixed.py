@@ -1,9 +1,9 @@
-"""Experiment (issue 7): `python -m scripts.experiments.mgpu_mixed` (Hopper GPU). Does a Mosaic GPU mixed-type wgmma kernel (jax's own example op, weights as the
+"""Experiment (issue 7): `python -m experiments.mgpu_mixed` (Hopper GPU). Does a Mosaic GPU mixed-type wgmma kernel (jax's own example op, weights as the
 64-row operand, tokens as N) read 8-bit weights near HBM bandwidth at decode's few rows?"""
 import json, os, traceback, functools
 import jax, jax.numpy as jnp
 print("jax", jax.__version__, flush=True)
-from scripts.bench_shapes import timed
+from scripts.bench_probes import timed
 OUT = os.environ.get("OUT", "/tmp")
 res = {"jax": jax.__version__, "rows": []}
 def emit(r):

@@ -1,0 +1,46 @@
+"""Device probes the benchmarks share: a median timer that warms the GPU's clocks first, and the
+device's own ceilings measured in the run (copy/read bandwidth for the HBM roofline, bf16 matmul
+throughput for prefill's)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+GiB = 1 << 30
+
+
+def timed(fn, reps: int, warm_s: float = 0.3) -> float:
+    """Median seconds per call. Calls fn for warm_s first: an idle GPU runs its clocks low for the
+    first few milliseconds, and the first call compiles. fn must block on its result."""
+    t_end = time.perf_counter() + warm_s
+    fn()
+    while time.perf_counter() < t_end:
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """HBM bandwidth measured here, counting bytes read plus bytes written: the better of a 2 GiB
+    copy and a 2 GiB read (a sum), far larger than the L2. Decode steps mostly read, so the roofline
+    uses whichever the device does fastest."""
+    x = (jnp.arange(GiB, dtype=jnp.uint32) % 251).astype(jnp.bfloat16) - 125   # never zeros
+    copy = jax.jit(lambda a: a * 2)
+    read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    bw_copy = 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), 20)
+    bw_read = x.nbytes / timed(lambda: read(x).block_until_ready(), 20)
+    return max(bw_copy, bw_read)
+
+
+def matmul_flops() -> float:
+    """bf16 matmul throughput measured here (an 8192^3 product): the compute roofline of prefill."""
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda x: x @ x)
+    return 2 * 8192 ** 3 / timed(lambda: mm(a).block_until_ready(), 10)
