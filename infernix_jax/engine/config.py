@@ -7,19 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..choices import ATTN_IMPLS, KV_DTYPES
-
-# the flag behind each field, for the messages (and the one place that says which flag is which)
-FLAGS = {"max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len", "kv_cache_gib": "--kv-cache-gib",
-         "memory_fraction": "--memory-fraction", "block_size": "--block-size",
-         "max_num_batched_tokens": "--max-num-batched-tokens", "chunked_prefill": "--no-chunked-prefill",
-         "decode_steps": "--decode-steps", "attn_impl": "--attn-impl", "kv_dtype": "--kv-dtype",
-         "fair_turn_s": "--fair-turn-s", "prefix_cache": "--no-prefix-cache",
-         "prefix_cache_ram_gib": "--prefix-cache-ram-gib", "ram_resize": "--ram-resize",
-         "state_snapshots": "--state-snapshots", "ssd_context_gib": "--ssd-context-gib",
-         "ssd_context_dir": "--ssd-context-dir", "ssd_gib_per_hour": "--ssd-context-gib-per-hour",
-         "prefix_cache_file": "--prefix-cache-file", "parallel": "--tensor-parallel / --expert-parallel",
-         "shapes_dir": "(shapes_dir)"}
+from ..choices import ATTN_IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,35 +40,32 @@ class EngineConfig:
         self._check()
 
     def _check(self) -> None:
-        def refuse(field: str, rule: str):
-            raise ValueError(f"{FLAGS[field]} {rule}")
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
-                refuse(name, "must be >= 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
-            refuse("max_model_len", "must be >= 1")
+            raise ValueError("--max-model-len must be >= 1")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            refuse("kv_cache_gib", "must be > 0")
+            raise ValueError("--kv-cache-gib must be > 0")
         if not 0 < self.memory_fraction <= 1:
-            refuse("memory_fraction", "must be in (0, 1]")
+            raise ValueError("--memory-fraction must be in (0, 1]")
         if self.decode_steps is not None and self.decode_steps < 1:
-            refuse("decode_steps", "must be >= 1")
+            raise ValueError("--decode-steps must be >= 1")
         if self.attn_impl is not None and self.attn_impl not in ATTN_IMPLS:
-            refuse("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)} (got {self.attn_impl!r})")
-        if self.kv_dtype and self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown --kv-dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+            raise ValueError(f"--attn-impl must be one of {', '.join(ATTN_IMPLS)} (got {self.attn_impl!r})")
+        # (--kv-dtype is checked against the model by models/kv_pool.check_kv_dtype, when the engine starts)
         if self.fair_turn_s < 0:
-            refuse("fair_turn_s", "must be >= 0")
+            raise ValueError("--fair-turn-s must be >= 0")
         if self.prefix_cache_ram_gib < 0:
-            refuse("prefix_cache_ram_gib", "must be >= 0")
+            raise ValueError("--prefix-cache-ram-gib must be >= 0")
         if self.ram_resize not in ("auto", "off"):
-            refuse("ram_resize", f"must be auto or off (got {self.ram_resize!r})")
+            raise ValueError(f"--ram-resize must be auto or off (got {self.ram_resize!r})")
         if self.ssd_context_gib < 0 or self.ssd_gib_per_hour <= 0:
             raise ValueError("--ssd-context-gib must be >= 0 and --ssd-context-gib-per-hour > 0")
         if self.ssd_context_gib > 0 and not self.ssd_context_dir:
             raise ValueError("--ssd-context-gib needs --ssd-context-dir DIR")
         if self.state_snapshots is not None and self.state_snapshots < 0:
-            refuse("state_snapshots", "must be >= 0")
+            raise ValueError("--state-snapshots must be >= 0")
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with `changes` (checked again); an unknown name is a clear error."""

@@ -21,7 +21,7 @@ from ..cache.block_manager import BlockManager, root_key
 from ..cache.host_tier import GiB, HostTier
 from .config import EngineConfig
 from .plan import HYBRID_PREFILL_ROWS, MemoryPlan, params_bytes
-from .request import Event, Request, Result, SamplingParams
+from .request import Event, Request, Result
 from .runner import STOP_WIDTH, Runner, StepOutput
 from .constraints import Constraint, ll_tokenizer
 from ..cache import cache_file
@@ -108,8 +108,7 @@ class Engine:
         self.snapshots = SnapshotStore(state_snapshots, math.lcm(block_size, 64)) \
             if hybrid and state_snapshots > 0 else None
         self.cache_file = None
-        self.cache = self._prefix_cache(c.prefix_cache, c.prefix_cache_ram_gib, c.ram_resize, c.ssd_context_gib,
-                                        c.ssd_context_dir, c.ssd_gib_per_hour, c.prefix_cache_file)
+        self.cache = self._prefix_cache()
         self.scheduler = Scheduler(self.bm, max_num_seqs, budget, c.chunked_prefill, steps,
                                    state_slots=max_num_seqs if hybrid else 0, max_prefill_rows=self.max_prefill_rows,
                                    align=self.snapshots.interval if self.snapshots is not None else 0,
@@ -149,14 +148,15 @@ class Engine:
         return sharding.bytes_per_device(model.params, sharding.param_specs(model.params, parallel.sizes, model.cfg),
                                          parallel.sizes)
 
-    def _prefix_cache(self, on: bool, ram_gib: float, ram_resize: str, ssd_gib: float, ssd_dir: str | None,
-                      ssd_per_hour: float, path: str | None) -> PrefixCache | None:
-        if not on:
+    def _prefix_cache(self) -> PrefixCache | None:
+        c = self.config
+        if not c.prefix_cache:
             return None
+        ram_gib, ssd_gib, path = c.prefix_cache_ram_gib, c.ssd_context_gib, c.prefix_cache_file
         if (ssd_gib > 0 or path) and ram_gib == 0:
             ram_gib = 1.0          # the SSD tier and the cache file work through the RAM tier
             log.info("prefix cache: a 1 GiB RAM tier for the SSD tier / cache file")
-        host = HostTier(int(ram_gib * GiB), ram_resize) if ram_gib > 0 else None
+        host = HostTier(int(ram_gib * GiB), c.ram_resize) if ram_gib > 0 else None
         cfg, bs = self.cfg, self.bm.block_size
         ssd = None
         if ssd_gib > 0:
@@ -169,8 +169,8 @@ class Engine:
                 (cs, cd), (ss, sd) = state_shapes(cfg, 1, self.model.dtype)
                 n_lin = cfg.num_layers - num_attention_layers(cfg)
                 layout = ([(cs[1:], cd)] * n_lin, [(ss[1:], sd)] * n_lin)
-            ssd = SSDTier(ssd_dir, int(ssd_gib * GiB), ssd_per_hour, block_shape=k_shape, v_shape=v_shape,
-                          dtype=block_dtype, state_layout=layout)
+            ssd = SSDTier(c.ssd_context_dir, int(ssd_gib * GiB), c.ssd_gib_per_hour, block_shape=k_shape,
+                          v_shape=v_shape, dtype=block_dtype, state_layout=layout)
         cache = PrefixCache(self.bm, host, self.snapshots, self.hybrid,
                             block_bytes=self.plan.block_bytes, ssd=ssd)
         self.cache_file = path
