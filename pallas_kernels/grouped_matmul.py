@@ -25,6 +25,7 @@ from .quant_matmul import BlockSizes, matrix_unsupported, sum_splits, tiling, we
 from .quant_matmul import unsupported as qmm_unsupported
 
 
+@functools.partial(jax.jit, static_argnames=("num_experts", "bm"))
 def align(expert_ids, num_experts: int, bm: int):
     """expert_ids [P] int32 (each pair's expert) -> (order [R] int32: the pair in each padded row,
     P for padding; tile_expert [R / bm] int32, -1 past the used tiles; where [P]: each pair's row).
@@ -47,6 +48,7 @@ def align(expert_ids, num_experts: int, bm: int):
     return order, jnp.where(tile_start < ends[-1], te, -1), where
 
 
+@jax.jit
 def grouped_matmul_reference(x, rows, tile_expert, w):
     """x [T, K]; rows [R] (x's row for each output row, >= T: padding); tile_expert [R / bm];
     w [E, N, K] (already dequantized) -> [R, N] in x's dtype, f32 accumulation."""

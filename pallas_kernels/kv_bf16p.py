@@ -54,6 +54,7 @@ def _fields(x):
     return sm.astype(jnp.uint8), (bits >> 7) & 0xFF
 
 
+@jax.jit
 def encode_rows(x):
     """x [..., hd] bf16 -> (codes [..., hd * 3/2] uint8, base [...] f32, escaped [..., hd] bool,
     exponent field [..., hd] int32)."""
@@ -66,6 +67,7 @@ def encode_rows(x):
     return codes, base.astype(jnp.float32), normal & (d > FAR), e
 
 
+@jax.jit
 def decode_rows(codes, base, esc):
     """codes [..., bs, hd * 3/2], base [..., bs], esc [..., E] (one block's escapes) -> bf16
     [..., bs, hd]: exactly the values written."""
@@ -85,6 +87,7 @@ def decode_rows(codes, base, esc):
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
+@jax.jit
 def write(pool, base, esc, x, slots):
     """x [N, nKV, hd] at flat slots [N] (block * bs + offset; out of range: dropped) into pool
     [nKV, P, bs, hd * 3/2], base [nKV, P, bs], esc [nKV, P, E] -> (pool, base, esc, lost [N] bool:

@@ -19,9 +19,15 @@ chunk, or token by token with re-rounding as the scale grows), and a prefix-cach
 give the same KV as a fresh prefill. With a row's scale set by that row alone (amax / qmax: nothing
 saturates), every token's codes are a function of its own K/V only: writes are plain scatters,
 a hit is bit-identical to a miss, and the scales cost 4 bytes per head and token (3% of int8 keys
-at head_dim 128)."""
+at head_dim 128).
+
+encode, decode, write and gather_blocks are jitted (inlined inside a model's step): called alone
+(tests, the prefix cache's block moves) each shape compiles once rather than op by op."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 KV_FORMATS = ("int8", "fp8", "int4")
@@ -45,6 +51,7 @@ def row_scale(x, fmt: str):
     return jnp.where(jnp.isfinite(s), s, 0.0)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt",))
 def encode(x, scale, fmt: str):
     """x [..., hd] f32, scale [...] -> codes [..., code_dims]."""
     y = x / jnp.where(scale > 0, scale, 1.0)[..., None]
@@ -67,11 +74,13 @@ def unscaled(codes, fmt: str, dtype=jnp.float32):
     return codes.astype(jnp.float32).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt",))
 def decode(codes, scale, fmt: str):
     """codes [..., code_dims], scale [...] -> f32 [..., hd]."""
     return unscaled(codes, fmt) * scale[..., None]
 
 
+@functools.partial(jax.jit, static_argnames=("fmt",))
 def write(pool, scale, x, slots, fmt: str):
     """x [N, nKV, hd] at flat slots [N] (block * bs + offset; out of range: dropped) into pool
     [nKV, P, bs, code_dims] with scales [nKV, P, bs] -> (pool, scale)."""
@@ -83,6 +92,7 @@ def write(pool, scale, x, slots, fmt: str):
     return pool, scale.at[:, blk, off].set(s, mode="drop")
 
 
+@functools.partial(jax.jit, static_argnames=("fmt",))
 def gather_blocks(pool, scale, ids, fmt: str):
     """Blocks ids [...] of one pool, dequantized: f32 [nKV, ..., bs, hd]."""
     return decode(pool[:, ids], scale[:, ids], fmt)

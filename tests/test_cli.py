@@ -118,6 +118,25 @@ def test_pull_is_idempotent_and_uses_the_cache(smollm):
     assert path == smollm.path and hub.sha256_file(path) == hub.ALIASES["smollm2-135m-instruct"].file_sha256
 
 
+def test_fetches_take_turns(tmp_path):
+    """hub.locked: a second holder waits for the first, so two servers (or test workers) fetching the
+    default model at once download it once."""
+    import threading
+    import time
+    order = []
+
+    def second():
+        with hub.locked(tmp_path / ".lock"):
+            order.append("second")
+    with hub.locked(tmp_path / ".lock"):
+        t = threading.Thread(target=second)
+        t.start()
+        time.sleep(0.3)
+        order.append("first")
+    t.join(10)
+    assert order == ["first", "second"]
+
+
 @pytest.mark.extended
 def test_serve_plans_and_checks_several_devices(smollm):
     """--tensor-parallel: --plan gives one device's share (SmolLM2's 9 heads and 3 KV heads split 3

@@ -17,6 +17,8 @@ quantizes to; their arrays are listed in pallas_kernels/ggml_blocks.py. `dequant
 the Pallas matmul kernels and the fallback where they do not run."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,7 +96,12 @@ def quantize(w, fmt: str) -> QTensor:
     """w [..., O, I] (any float dtype) -> QTensor. Scales are computed in f32."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
-    w = jnp.asarray(w).astype(jnp.float32)
+    return _quantize(jnp.asarray(w), fmt)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))     # (one compile per shape, not one per op)
+def _quantize(w, fmt: str) -> QTensor:
+    w = w.astype(jnp.float32)
     shape, I = tuple(w.shape), w.shape[-1]
     amax_row = jnp.max(jnp.abs(w), axis=-1, keepdims=True)                 # [..., O, 1]
     if fmt == "int8":
@@ -157,6 +164,7 @@ def _e2m1_codes(x):
     return (idx | jnp.where(x < 0, 8, 0)).astype(jnp.uint8)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(q: QTensor, dtype=jnp.float32):
     """The matrix a QTensor stands for, [..., O, I] in dtype (computed in f32)."""
     I = q.shape[-1]
