@@ -1,7 +1,7 @@
 """Experiment (issue 7, not part of the bench tool): why the fused 8-bit matmul is stuck near 1.2 TB/s at
 one row. `python -m experiments.qmatmul_variants` (GPU; interpret mode on the CPU). Variants on the
 qwen3-8b up projection (12288 x 4096), weights >= 1 GiB in copies."""
-import functools, json, os, sys, itertools
+import functools, json, os
 import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton

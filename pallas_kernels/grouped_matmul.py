@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .common import triton_params
-from .quant_matmul import BlockSizes, matrix_unsupported, sum_splits, tiling, weight_tile
+from .quant_matmul import BlockSizes, Tiles, matrix_unsupported, sum_splits, tiling, weight_tile
 from .quant_matmul import unsupported as qmm_unsupported
 
 
@@ -99,12 +99,20 @@ def _kernel(rows_ref, te_ref, x_ref, *refs, fmt: str, bk: int, bn: int, steps: i
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
+# tiles by rows per expert tile, the first entry that fits winning (quant_matmul.Tiles)
+TILES = (
+    Tiles(16, (), BlockSizes(bm=16, bn=32, bk=256, split=0),
+          "not swept: the quantized matmul's decode tiles at 32 columns (quant_matmul.TILES); timed at "
+          "1 and 8 tokens on an H200 (docs/benchmarks.md, grouped expert kernel)"),
+    Tiles(None, (), BlockSizes(bm=64, bn=128, bk=64, split=1, num_warps=4),
+          "not swept: compute-bound tiles of 64 rows (each expert is padded to whole tiles, so smaller "
+          "tiles than the dense matmul's 256 waste less); the sweep past 8 tokens is still to do"),
+)
+
+
 def for_rows(m: int) -> BlockSizes:
-    """Tiles by rows per expert tile: decode (a pair or a few per expert: the quantized matmul's
-    decode tiles) or prefill (compute: larger tiles)."""
-    if m <= 16:
-        return BlockSizes(bm=16, bn=32, bk=256, split=0)
-    return BlockSizes(bm=64, bn=128, bk=64, split=1, num_warps=4)
+    """The default tiles for m rows per expert tile (TILES)."""
+    return next(t.sizes for t in TILES if t.most_rows is None or m <= t.most_rows)
 
 
 def unsupported(fmt: str, shape: tuple, x_dtype) -> str | None:
@@ -150,4 +158,4 @@ def grouped_matmul(x, rows, tile_expert, args: tuple, fmt: str, shape: tuple, bm
     return sum_splits(out, x.dtype)
 
 
-__all__ = ["align", "for_rows", "grouped_matmul", "grouped_matmul_reference", "unsupported"]
+__all__ = ["TILES", "align", "for_rows", "grouped_matmul", "grouped_matmul_reference", "unsupported"]

@@ -1,6 +1,7 @@
 """Matmul with the weight's dequantization fused, in Pallas (lowered through Triton; `interpret=True`
 runs it on the CPU for tests): y [M, N] = x [M, K] @ W [N, K]^T where W is stored quantized in
-the checkpoints' [out, in] layout (infernix_jax/quant/formats.py describes the formats).
+the checkpoints' [out, in] layout (infernix_jax/quant/formats.py describes the formats). Its
+reference: quant_reference.quant_matmul_reference.
 
 Grid (M / bm, N / bn, split): each program owns a [bm, bn] output tile and walks its share of K in
 steps of bk: it loads the quantized [bn, bk] weight tile (1 or 1/2 byte per weight: this is what
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +33,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import ggml_blocks
-from .ggml_blocks import spread, unpack_bits
 from .common import triton_params
+from .ggml_blocks import spread, unpack_bits
+from .quant_reference import GROUP, kernel_args, quant_matmul_reference
 
-GROUP = {"int8": 0, "fp8": 0, "fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
 PACKED = ("int4", "nvfp4")        # two weights per byte
 
 
@@ -48,21 +50,36 @@ class BlockSizes:
     num_stages: int = 3
 
 
+class Tiles(NamedTuple):
+    most_rows: int | None          # the row counts this entry is for (None: any number)
+    formats: tuple                 # the formats it is for (empty: any)
+    sizes: BlockSizes
+    source: str                    # where the numbers come from
+
+
+# Default tiles by rows of x, the first entry that fits winning: decode (few rows: bound by the
+# weight bytes; a small tile and a K split keep every SM loading), a small batch, many rows (compute
+# bound: large tiles; infernix_jax's linear hands those to XLA instead).
+TILES = (
+    Tiles(16, ("nvfp4",), BlockSizes(bm=16, bn=32, bk=256, split=4),
+          "H200, experiments/tune_decode_qmm.py: decoding e2m1 in registers is bound by ALU, not bytes; "
+          "32 columns and split 4 were 12% faster in the decode step than the entry below"),
+    Tiles(16, (), BlockSizes(bm=16, bn=64, bk=256, split=0),
+          "H200, experiments/tune_decode_qmm.py: fp8 kernel time inside a qwen3-8b decode step (q/k/v and "
+          "gate/up fused); 64 columns and a K split sized to ~2 programs per SM (2 for qkv, 1 for gate/up, "
+          "4 for down) 8% under the best fixed split, 4"),
+    Tiles(128, (), BlockSizes(bm=64, bn=64, bk=128),
+          "H200, `infernix-bench qmatmul --tune` (docs/benchmarks.md): least total time over int8, mxfp8, "
+          "int4 and nvfp4 on qwen3-8b's up projection"),
+    Tiles(None, (), BlockSizes(bm=256, bn=128, bk=64, split=1, num_warps=8),
+          "H200, the same --tune sweep at prefill rows"),
+)
+
+
 def for_rows(m: int, fmt: str = "") -> BlockSizes:
-    """Default tiles by the number of rows: decode (few rows: bound by the weight bytes; a small
-    tile and a K split keep every SM loading) or a small batch; many rows (compute bound: large
-    tiles; infernix_jax's linear hands those to XLA instead). From the H200 sweep of
-    `infernix-bench qmatmul --tune` (docs/benchmarks.md): the tiles with the least total time over
-    int8, mxfp8, int4 and nvfp4 on qwen3-8b's up projection; decode's split from the in-step sweep
-    of experiments/tune_decode_qmm.py (fp8 kernel time inside a qwen3-8b decode step, with
-    q/k/v and gate/up fused: 64 columns and a K split sized to give ~2 programs per SM (2 for qkv,
-    1 for gate/up, 4 for down) 8% under the best fixed split, 4). nvfp4 (decoding e2m1 in
-    registers: bound by ALU, not bytes) keeps the earlier 32 columns and split 4, 12% faster there."""
-    if m <= 16:
-        return BlockSizes(bm=16, bn=32, bk=256, split=4) if fmt == "nvfp4" else BlockSizes(bm=16, bn=64, bk=256, split=0)
-    if m <= 128:
-        return BlockSizes(bm=64, bn=64, bk=128)
-    return BlockSizes(bm=256, bn=128, bk=64, split=1, num_warps=8)
+    """The default tiles for m rows of x and a weight of format fmt (TILES)."""
+    return next(t.sizes for t in TILES
+                if (t.most_rows is None or m <= t.most_rows) and (not t.formats or fmt in t.formats))
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -202,17 +219,6 @@ def _kernel(*refs, fmt: str, bk: int, bn: int, steps: int, precision, rows: int)
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def kernel_args(q) -> tuple:
-    """The arrays of a QTensor the kernel reads, in its order (e8m0 scales as their exponent byte)."""
-    if q.fmt == "mxfp8":
-        return q.data, jax.lax.bitcast_convert_type(q.scale, jnp.uint8)
-    if q.fmt == "int4":
-        return q.data, q.scale, q.zero
-    if q.fmt == "nvfp4":
-        return q.data, q.scale, q.tensor_scale.reshape(1)
-    return q.arrays
-
-
 @functools.partial(jax.jit, static_argnames=("fmt", "shape", "block_sizes", "interpret"))
 def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes | None = None,
                  interpret: bool = False):
@@ -262,5 +268,5 @@ def quant_matmul(x, args: tuple, fmt: str, shape: tuple, block_sizes: BlockSizes
     return sum_splits(out, x.dtype)
 
 
-__all__ = ["BlockSizes", "GROUP", "for_rows", "kernel_args", "matrix_unsupported", "quant_matmul", "sum_splits",
-           "tiling", "unsupported", "weight_tile"]
+__all__ = ["BlockSizes", "GROUP", "TILES", "Tiles", "for_rows", "kernel_args", "matrix_unsupported", "quant_matmul",
+           "quant_matmul_reference", "sum_splits", "tiling", "unsupported", "weight_tile"]

@@ -1,14 +1,14 @@
-"""The fused dequantizing matmul (pallas_kernels/quant_matmul.py) against x @ dequantize(W)^T on
-fresh random inputs, for every format: interpret mode on the CPU, compiled on the GPU (marked gpu),
-and lowered to Triton for the GPU from the CPU (what the CPU can check of the compiled route).
+"""The fused dequantizing matmul (pallas_kernels/quant_matmul.py) against its reference, x @ W^T with W
+dequantized (quant_reference.quant_matmul_reference), on fresh random inputs, for every format:
+interpret mode on the CPU, compiled on the GPU (marked gpu), and lowered to Triton for the GPU from the CPU (what the CPU can check of the compiled route).
 Tolerances are keyed by dtype: f32 is multiplied exactly, bf16 rounds the output."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infernix_jax.quant.formats import FORMATS, dequantize, quantize
-from pallas_kernels.quant_matmul import BlockSizes, kernel_args, quant_matmul, unsupported
+from infernix_jax.quant.formats import FORMATS, quantize
+from pallas_kernels.quant_matmul import BlockSizes, kernel_args, quant_matmul, quant_matmul_reference, unsupported
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
 MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
@@ -27,8 +27,7 @@ def weights(seed, shape):
 
 
 def reference(x, q):
-    w = dequantize(q, x.dtype).astype(jnp.float32)
-    return jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision="highest")
+    return quant_matmul_reference(x, kernel_args(q), q.fmt, q.shape)
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -49,6 +48,15 @@ def assert_matches_reference(q, M: int, dtype, bs, interpret: bool, seed: int):
     assert np.isfinite(out).all()
     err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
     assert err <= TOL[dtype], err
+
+
+def test_every_tile_table_says_where_its_numbers_come_from_and_ends_in_a_catch_all():
+    from pallas_kernels import grouped_matmul, quant_matmul
+    for table in (quant_matmul.TILES, grouped_matmul.TILES):
+        assert all(len(t.source) > 20 for t in table)
+        assert table[-1].most_rows is None and table[-1].formats == ()
+    assert quant_matmul.for_rows(1, "nvfp4").split == 4 and quant_matmul.for_rows(1, "int8").split == 0
+    assert quant_matmul.for_rows(17).bm == 64 and quant_matmul.for_rows(4096).bm == 256
 
 
 @pytest.mark.extended

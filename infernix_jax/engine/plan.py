@@ -7,7 +7,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..config import ModelConfig
 from ..models.kv_pool import kv_bytes_per_block, state_bytes_per_seq

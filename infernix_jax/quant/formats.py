@@ -13,8 +13,9 @@ axis, `in`, last; leading axes such as MoE experts are kept).
 Every format rounds to nearest (even) after scaling, and each block's scale maps its largest
 magnitude onto the format's largest value, so nothing saturates. A QTensor may also hold a GGUF
 file's own blocks (q8_0, q4_0, q4_1, q4_k, q6_k, iq4_xs: quant/ggml.py), which nothing here
-quantizes to; their arrays are listed in pallas_kernels/ggml_blocks.py. `dequantize` is the reference for
-the Pallas matmul kernels and the fallback where they do not run."""
+quantizes to; their arrays are listed in pallas_kernels/ggml_blocks.py. `dequantize` (the arithmetic in
+pallas_kernels/quant_reference.py, beside the kernels it is the reference of) is also the fallback
+where they do not run."""
 from __future__ import annotations
 
 import functools
@@ -24,16 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.ggml_blocks import LAYOUT, decode
+from pallas_kernels import quant_reference as qref
+from pallas_kernels.quant_reference import E2M1, groups, pack4, pad_even, ungroup
 
 from ..choices import LOSSY_FORMATS as FORMATS  # (the names --weights offers)
 
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0
 E2M1_MAX = 6.0
-# the 16 values of an e2m1 code (sign bit 3): what nvfp4's nibbles decode to
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0., -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-GROUP = {"fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
+GROUP = qref.GROUP
 
 
 @struct.dataclass
@@ -66,28 +66,6 @@ class QTensor:
         return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.arrays)
 
 
-def _groups(w, g: int):
-    """[..., O, I] -> [..., O, I/g, g] (I padded with zeros to a multiple of g)."""
-    I = w.shape[-1]
-    pad = -I % g
-    if pad:
-        w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
-    return w.reshape(*w.shape[:-1], -1, g)
-
-
-def _ungroup(w, I: int):
-    return w.reshape(*w.shape[:-2], -1)[..., :I]
-
-
-def _pack4(codes):
-    """uint8 codes < 16 [..., I] (I even) -> bytes [..., I/2]: element 2j in the low nibble."""
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
-
-
-def _unpack4(b):
-    return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
-
-
 def _safe(s):
     return jnp.where(s > 0, s, 1.0)
 
@@ -112,16 +90,16 @@ def _quantize(w, fmt: str) -> QTensor:
         return QTensor((w / s).astype(F8), s, None, None, fmt, shape)
     if fmt == "fp8b":
         O = w.shape[-2]
-        t = _groups(w, 128)                                                # [..., O, nI, 128]
+        t = groups(w, 128)                                                # [..., O, nI, 128]
         padO = -O % 128
         t = jnp.pad(t, [(0, 0)] * (t.ndim - 3) + [(0, padO), (0, 0), (0, 0)])
         t = t.reshape(*t.shape[:-3], -1, 128, t.shape[-2], 128)            # [..., nO, 128, nI, 128]
         s = _safe(jnp.max(jnp.abs(t), axis=(-3, -1)) / F8_MAX)            # [..., nO, nI]
         q = (t / s[..., :, None, :, None]).astype(F8)
         q = q.reshape(*q.shape[:-4], -1, q.shape[-2], 128)[..., :O, :, :]
-        return QTensor(_ungroup(q, I), s, None, None, fmt, shape)
+        return QTensor(ungroup(q, I), s, None, None, fmt, shape)
     g = GROUP[fmt]
-    t = _groups(w, g)                                                      # [..., O, I/g, g]
+    t = groups(w, g)                                                      # [..., O, I/g, g]
     amax = jnp.max(jnp.abs(t), axis=-1)                                    # [..., O, I/g]
     if fmt == "mxfp8":
         # a power-of-two scale per 32 (OCP MX); rounded up, 2^ceil(log2(amax / 448)) (as Transformer
@@ -130,25 +108,21 @@ def _quantize(w, fmt: str) -> QTensor:
         e = jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, F8_MAX) / F8_MAX))
         s = jnp.exp2(e)
         q = jnp.clip(t / s[..., None], -F8_MAX, F8_MAX).astype(F8)
-        return QTensor(_ungroup(q, I), s.astype(jnp.float8_e8m0fnu), None, None, fmt, shape)
+        return QTensor(ungroup(q, I), s.astype(jnp.float8_e8m0fnu), None, None, fmt, shape)
     if fmt == "int4":
         lo, hi = jnp.min(t, axis=-1), jnp.max(t, axis=-1)
         lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)               # zero stays exact
         s = _safe((hi - lo) / 15.0)
         z = jnp.clip(jnp.round(-lo / s), 0, 15)
         q = jnp.clip(jnp.round(t / s[..., None]) + z[..., None], 0, 15).astype(jnp.uint8)
-        return QTensor(_pack4(_pad_even(_ungroup(q, I))), s, z.astype(jnp.uint8), None, fmt, shape)
+        return QTensor(pack4(pad_even(ungroup(q, I))), s, z.astype(jnp.uint8), None, fmt, shape)
     # nvfp4: a tensor scale brings the block scales into e4m3's range; values are e2m1 codes
     ts = _safe(jnp.max(amax) / (F8_MAX * E2M1_MAX))
     sb = (amax / E2M1_MAX / ts).astype(F8)                                 # [..., O, I/g]
     scale = _safe(sb.astype(jnp.float32) * ts)
     x = t / scale[..., None]
     codes = _e2m1_codes(x)
-    return QTensor(_pack4(_pad_even(_ungroup(codes, I))), sb, None, ts, fmt, shape)
-
-
-def _pad_even(q):
-    return q if q.shape[-1] % 2 == 0 else jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, 1)])
+    return QTensor(pack4(pad_even(ungroup(codes, I))), sb, None, ts, fmt, shape)
 
 
 def _e2m1_codes(x):
@@ -164,30 +138,9 @@ def _e2m1_codes(x):
     return (idx | jnp.where(x < 0, 8, 0)).astype(jnp.uint8)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(q: QTensor, dtype=jnp.float32):
     """The matrix a QTensor stands for, [..., O, I] in dtype (computed in f32)."""
-    I = q.shape[-1]
-    if q.fmt in LAYOUT:                  # GGUF blocks (quant/ggml.py): the kernels' own decoding
-        arrays = [a.reshape(-1, a.shape[-1]) for a in q.arrays]
-        return decode(q.fmt, arrays, I).reshape(q.shape).astype(dtype)
-    if q.fmt in ("int8", "fp8"):
-        w = q.data.astype(jnp.float32) * q.scale
-    elif q.fmt == "fp8b":
-        O = q.shape[-2]
-        s = jnp.repeat(jnp.repeat(q.scale.astype(jnp.float32), 128, axis=-2)[..., :O, :], 128, axis=-1)[..., :I]
-        w = q.data.astype(jnp.float32) * s
-    elif q.fmt == "mxfp8":
-        w = _ungroup(_groups(q.data.astype(jnp.float32), 32) * q.scale.astype(jnp.float32)[..., None], I)
-    elif q.fmt == "int4":
-        codes = _unpack4(q.data)[..., :I].astype(jnp.float32)
-        t = _groups(codes, 128)
-        w = _ungroup((t - q.zero.astype(jnp.float32)[..., None]) * q.scale[..., None], I)
-    else:
-        vals = jnp.asarray(E2M1)[_unpack4(q.data)[..., :I]]
-        s = q.scale.astype(jnp.float32) * q.tensor_scale
-        w = _ungroup(_groups(vals, 16) * s[..., None], I)
-    return w.astype(dtype)
+    return qref.dequantize(qref.kernel_args(q), q.fmt, q.shape, dtype)
 
 
 def nominal_bits(fmt: str) -> float:

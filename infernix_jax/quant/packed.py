@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .formats import _pack4, _pad_even, _unpack4
+from pallas_kernels.quant_reference import pack4, pad_even, unpack4
 
 WINDOW = 15          # exponents a code can name; code 15 is the escape
 ESCAPE = 15
@@ -58,13 +58,13 @@ def pack(w) -> Packed12:
     code = np.where(esc, ESCAPE, code).astype(np.uint8)
     lo = (((bits >> 15) << 7) | (bits & 0x7F)).astype(np.uint8)
     idx = np.flatnonzero(esc).astype(np.int32)
-    return Packed12(jnp.asarray(lo), _pack4(_pad_even(jnp.asarray(code))), jnp.asarray(base, jnp.int32),
+    return Packed12(jnp.asarray(lo), pack4(pad_even(jnp.asarray(code))), jnp.asarray(base, jnp.int32),
                     jnp.asarray(idx), jnp.asarray(w.reshape(-1)[idx]), tuple(w.shape))
 
 
 def unpack(p: Packed12):
     """Packed12 -> the BF16 matrix, bit for bit (jittable)."""
-    code = _unpack4(p.codes)[..., :p.shape[-1]]
+    code = unpack4(p.codes)[..., :p.shape[-1]]
     e = (p.base + code.astype(jnp.int32)).astype(jnp.uint16) & 0xFF
     lo = p.lo.astype(jnp.uint16)
     bits = ((lo >> 7) << 15) | (e << 7) | (lo & 0x7F)
