@@ -122,8 +122,10 @@ def test_snapshots_at_block_boundaries_hold_the_prefix_state(hybrid, prompts):
                                                        jnp.arange(128)[None], init_cache(cfg, 1, 128))
     lin = [i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)]
     for j, i in enumerate(lin):
+        # (fp32 through 100- and 128-token chunks: the layers before sum in other orders, for both
+        # states; at the tests' XLA:CPU flags, conftest.py, the conv states differ by up to 2.4e-5)
         np.testing.assert_allclose(snap.ssm[j], np.asarray(cache.ssm[i][0]), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(snap.conv[j], np.asarray(cache.conv[i][0]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(snap.conv[j], np.asarray(cache.conv[i][0]), rtol=1e-4, atol=1e-5)
     # host -> device into another slot of a fresh pool -> back: unchanged
     eng.runner.reset_kv()
     eng.runner.kv = restore_snapshot(eng.runner.kv, 1, snap)
