@@ -42,13 +42,13 @@ def block(fmt: str) -> int:
 
 
 def unpack_bits(b, bits: int):
-    """[rows, c] bytes -> [rows, c * 8 / bits] codes, element (8 / bits) * j + t from bits t * bits.
+    """[..., c] bytes -> [..., c * 8 / bits] codes, element (8 / bits) * j + t from bits t * bits.
     Split in halves (Triton's stack takes two operands): a byte's low and high nibble, then each
     nibble's low and high 2 bits."""
     width = 8
     while width > bits:
         width //= 2
-        b = jnp.stack([b & ((1 << width) - 1), b >> width], axis=-1).reshape(b.shape[0], 2 * b.shape[1])
+        b = jnp.stack([b & ((1 << width) - 1), b >> width], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
     return b
 
 

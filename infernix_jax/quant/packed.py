@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.quant_reference import pack4, pad_even, unpack4
+from pallas_kernels.ggml_blocks import unpack_bits
+from pallas_kernels.quant_reference import pack4, pad_even
 
 WINDOW = 15          # exponents a code can name; code 15 is the escape
 ESCAPE = 15
@@ -64,7 +65,7 @@ def pack(w) -> Packed12:
 
 def unpack(p: Packed12):
     """Packed12 -> the BF16 matrix, bit for bit (jittable)."""
-    code = unpack4(p.codes)[..., :p.shape[-1]]
+    code = unpack_bits(p.codes, 4)[..., :p.shape[-1]]
     e = (p.base + code.astype(jnp.int32)).astype(jnp.uint16) & 0xFF
     lo = p.lo.astype(jnp.uint16)
     bits = ((lo >> 7) << 15) | (e << 7) | (lo & 0x7F)
