@@ -5,8 +5,10 @@ the same jitted steps on the same inputs, as a multi-controller JAX program must
 
 The leader's calls travel as pickles broadcast over the devices (multihost_utils, a collective
 every process joins): a length, then the bytes. The processes of one deployment trust each other.
-Not on several hosts yet (refused with a clear error): the RAM and SSD tiers of the prefix cache,
-saved prefix caches, hybrids' state snapshots, and --kv-dtype bf16p."""
+The prefix cache's tiers live on the leader alone: what it reads off the devices (evicted blocks,
+hybrids' state snapshots) is gathered whole on every process and kept by the leader (its RAM tier,
+SSD tier and cache file); what it writes back travels to the others inside the call.
+Not on several hosts yet (refused with a clear error): --kv-dtype bf16p."""
 from __future__ import annotations
 
 import hashlib

@@ -85,18 +85,14 @@ def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_si
     """Log-probabilities [T, V] (numpy f32) of the next token at every position of ids, through the
     paged path the server runs (a fresh pool): one prefill, or pieces of `chunk` tokens (few rows
     run the fused quantized matmul, as decode does; a whole window runs prefill's XLA route)."""
-    from .engine.steps import prefill_logprobs
-    from .models.kv_pool import init_paged_kv
+    from types import SimpleNamespace
+    from .engine.runner import Runner
     T = len(ids)
-    M = -(-T // block_size)
-    kv = init_paged_kv(cfg, M + 1, block_size, dtype, state_slots=1, kv_dtype=kv_dtype)
-    tables = jnp.arange(M, dtype=jnp.int32)[None]
+    runner = Runner(SimpleNamespace(cfg=cfg, params=params, dtype=dtype), -(-T // block_size) + 1, block_size,
+                    attn_impl, state_slots=1, kv_dtype=kv_dtype)
     step = chunk or T
-    out = []
-    for lo in range(0, T, step):
-        lp, kv = prefill_logprobs(params, cfg, kv, jnp.asarray(ids[lo:lo + step], jnp.int32), tables, attn_impl, lo)
-        out.append(np.asarray(lp, np.float32))
-    return np.concatenate(out)
+    return np.concatenate([np.asarray(runner.score(jnp.asarray(ids[lo:lo + step], jnp.int32), lo), np.float32)
+                           for lo in range(0, T, step)])
 
 
 @dataclasses.dataclass

@@ -99,3 +99,63 @@ def test_imports_go_one_way():
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
                     if rank[d.split(".")[0]] < rank[m.split(".")[0]])
     assert upward == []
+
+
+# ---- one caller of the device -------------------------------------------------------------------
+DEVICE_MODULES = ("infernix_jax.cache.device", "infernix_jax.engine.steps")
+RUNNER = "infernix_jax.engine.runner"
+
+
+def _device_functions() -> dict[str, set[str]]:
+    """Per module of DEVICE_MODULES, its functions that run on the device: the jitted ones and
+    those taking the KV pool (`kv`) first."""
+    import importlib
+    import inspect
+    out = {}
+    for name in DEVICE_MODULES:
+        mod = importlib.import_module(name)
+        out[name] = {n for n, f in vars(mod).items() if hasattr(f, "lower") or (
+            inspect.isfunction(f) and f.__module__ == name and list(inspect.signature(f).parameters)[:1] == ["kv"])}
+    return out
+
+
+def _device_callers(name: str, source: str, path_is_init: bool, fns: dict[str, set[str]]) -> list[str]:
+    """The device functions (fns) module `name` uses: imported by name, or through the module."""
+    package = name.split(".") if path_is_init else name.split(".")[:-1]
+    aliases, used = {}, []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in fns})
+        elif isinstance(node, ast.ImportFrom):
+            stem = ".".join(package[:len(package) - node.level + 1] + [node.module] * bool(node.module)) \
+                if node.level else node.module
+            for a in node.names:
+                if stem in fns and a.name in fns[stem]:
+                    used.append(f"{stem}.{a.name}")
+                elif f"{stem}.{a.name}" in fns:
+                    aliases[a.asname or a.name] = f"{stem}.{a.name}"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr in fns[aliases[node.value.id]]:
+            used.append(f"{aliases[node.value.id]}.{node.attr}")
+    return used
+
+
+def test_the_device_caller_finder_finds_callers():
+    fns = _device_functions()
+    assert {"read_blocks", "write_rows", "copy_blocks", "take_snapshot", "restore_snapshot"} <= \
+        fns["infernix_jax.cache.device"] and {"mixed_step", "decode_steps"} <= fns["infernix_jax.engine.steps"]
+    assert "exact_pieces" not in fns["infernix_jax.cache.device"]
+    src = "from ..cache import device\nfrom .steps import mixed_step, bucket\ndevice.copy_blocks(kv, [])\ndevice.CHUNK"
+    assert _device_callers("infernix_jax.engine.x", src, False, fns) == [
+        "infernix_jax.engine.steps.mixed_step", "infernix_jax.cache.device.copy_blocks"]
+
+
+def test_only_the_runner_calls_the_device():
+    """Jitted steps, block moves and state snapshots run through engine/runner.py alone (which
+    replays them on the other hosts of a multi-host run)."""
+    fns, mods = _device_functions(), _modules()
+    callers = {m: used for m, p in mods.items() if m.split(".")[0] in ("infernix_jax", "server")
+               and m not in (RUNNER, *DEVICE_MODULES)
+               and (used := _device_callers(m, p.read_text(), p.name == "__init__.py", fns))}
+    assert callers == {}

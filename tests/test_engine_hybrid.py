@@ -15,15 +15,14 @@ from infernix_jax.engine import Engine, Request, SamplingParams
 from infernix_jax.engine.plan import make_plan
 from infernix_jax.loader import LoadedModel
 from infernix_jax.models import forward, init_cache, init_params, logits_from_hidden
-from infernix_jax.models.hybrid_paged import restore_snapshot, take_snapshot
 
 N_NEW = 10
 
 
-def tiny_hybrid(family: str, tokenizer, vocab: int) -> LoadedModel:
+def tiny_hybrid(family: str, tokenizer, vocab: int, **overrides) -> LoadedModel:
     """Four layers (three Gated DeltaNet, one gated attention), random weights, SmolLM2's tokenizer."""
     hc = hf_config(family, vocab_size=vocab, hidden_size=64, num_hidden_layers=4, layer_types=None,
-                   full_attention_interval=4, max_position_embeddings=512)
+                   full_attention_interval=4, max_position_embeddings=512, **overrides)
     cfg = ModelConfig.from_hf_dict(hc.to_dict())
     params = init_params(cfg, jax.random.PRNGKey(1), scale=0.5)
     return LoadedModel(name=family, path="", cfg=cfg, params=params, tokenizer=tokenizer, dtype=jnp.float32)
@@ -128,12 +127,12 @@ def test_snapshots_at_block_boundaries_hold_the_prefix_state(hybrid, prompts):
         np.testing.assert_allclose(snap.conv[j], np.asarray(cache.conv[i][0]), rtol=1e-4, atol=1e-5)
     # host -> device into another slot of a fresh pool -> back: unchanged
     eng.runner.reset_kv()
-    eng.runner.kv = restore_snapshot(eng.runner.kv, 1, snap)
-    again = take_snapshot(eng.runner.kv, 1, 128).to_host()
+    eng.runner.restore_snapshot(1, snap)
+    again = eng.runner.take_snapshot(1, 128)
     for a, b in zip(snap.ssm + snap.conv, again.ssm + again.conv):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="state shapes"):
-        restore_snapshot(eng.runner.kv, 0, dataclasses.replace(snap, conv=snap.conv[:1]))
+        eng.runner.restore_snapshot(0, dataclasses.replace(snap, conv=snap.conv[:1]))
 
 
 def test_memory_plan_counts_the_state_pool(hybrid):
@@ -173,6 +172,6 @@ def test_scoring_a_hybrid_in_pieces_carries_its_state(hybrid, prompts):
     whole = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference")
     pieces = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference", chunk=64)
     # the chunked delta rule sums in another order: a few log-probabilities of ~-9 move by ~2e-3 on
-    # some CPUs (AVX-512), a lost state by whole units
+    # some CPUs (AVX-512), the mean by 1.3e-5 on others (AMD EPYC); a lost state by whole units
     np.testing.assert_allclose(pieces, whole, rtol=1e-4, atol=3e-3)
-    assert np.abs(pieces - whole).mean() < 1e-5
+    assert np.abs(pieces - whole).mean() < 1e-4

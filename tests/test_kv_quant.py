@@ -83,7 +83,7 @@ def test_padding_slots_are_dropped_and_untouched_rows_keep_their_codes():
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "k8v4", "bf16p"])
 def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtype):
     import dataclasses
-    from infernix_jax.models import kv_blocks
+    from infernix_jax.cache import device
     from infernix_jax.models.kv_pool import init_paged_kv
     cfg = dataclasses.replace(smollm.cfg, num_layers=2)
     rng = np.random.default_rng(4)
@@ -95,13 +95,13 @@ def test_quantized_blocks_move_to_the_tiers_and_back_bit_for_bit(smollm, kv_dtyp
                     k_scale=rand(kv.k_scale, lambda x: jnp.asarray(rng.uniform(size=x.shape), jnp.float32)),
                     v_scale=rand(kv.v_scale, lambda x: jnp.asarray(rng.uniform(size=x.shape), jnp.float32)))
     fresh = init_paged_kv(cfg, 8, bs, dtype, kv_dtype=kv_dtype)
-    for k, v, lo, hi in kv_blocks.read_blocks(kv, [1, 2, 5]):
+    for k, v, lo, hi in device.read_blocks(kv, [1, 2, 5]):
         assert np.asarray(k).dtype == np.uint8                                   # codes and scale as bytes
-        fresh = kv_blocks.write_rows(fresh, np.asarray(k), np.asarray(v), list(range(hi - lo)), [6, 7, 0][lo:hi])
+        fresh = device.write_rows(fresh, np.asarray(k), np.asarray(v), list(range(hi - lo)), [6, 7, 0][lo:hi])
     bits = lambda a: np.ascontiguousarray(a).view(np.uint8)                      # noqa: E731
     every = lambda kv: kv.k + kv.v + kv.k_scale + kv.v_scale + kv.k_esc + kv.v_esc  # noqa: E731
     before = [np.asarray(a) for a in every(kv)]
-    copied = kv_blocks.copy_blocks(kv, [(1, 3)])                                 # (kv is donated)
+    copied = device.copy_blocks(kv, [(1, 3)])                                 # (kv is donated)
     for a, b, c in zip(before, every(fresh), every(copied), strict=True):
         np.testing.assert_array_equal(bits(a[:, [1, 2, 5]]), bits(b[:, [6, 7, 0]]))
         np.testing.assert_array_equal(bits(c[:, 3]), bits(a[:, 1]))
@@ -137,11 +137,11 @@ def test_an_engine_on_quantized_kv_is_deterministic_and_planned_smaller(smollm):
 
 def test_k8v4_blocks_of_two_sizes_stack_into_pieces():
     """K8V4's key and value rows differ in size: the RAM tier's pieces keep each its own."""
-    from infernix_jax.models import kv_blocks
+    from infernix_jax.cache import device
     rng = np.random.default_rng(5)
     blocks = [(rng.integers(0, 255, (2, 3, 1028), dtype=np.uint8), rng.integers(0, 255, (2, 3, 516), dtype=np.uint8))
               for _ in range(3)]
-    (k, v, lo, hi), = kv_blocks.stack_pieces(blocks)
+    (k, v, lo, hi), = device.stack_pieces(blocks)
     assert (lo, hi) == (0, 3) and k.shape == (4, 2, 3, 1028) and v.shape == (4, 2, 3, 516)
     for i, (bk, bv) in enumerate(blocks):
         np.testing.assert_array_equal(k[i], bk)

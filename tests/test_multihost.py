@@ -105,3 +105,31 @@ def test_bad_multihost_flags_are_one_line_errors(flags, msg, tmp_path):
     r = subprocess.run([sys.executable, "-m", "scripts.serve", "--port", "1", *flags], env=env(1),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_prefix_cache_tiers_on_two_processes(smollm, tmp_path):
+    """Every tier of the prefix cache with the model over both processes' devices (multihost_cache.py):
+    a shared prefix pushed off the device comes back from the RAM tier with its state snapshot from
+    the SSD, and after a restart from the cache file; the same tokens as one device without a cache."""
+    from multihost_cache import model_, prompts
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    driver = os.path.join(os.path.dirname(__file__), "multihost_cache.py")
+    for phase in ("first", "again"):
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, driver, str(rank), str(port), str(tmp_path), phase], env=env(2),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+        try:
+            for p in procs:
+                assert p.wait(timeout=400) == 0, p.stderr.read()
+        finally:
+            for p in procs:
+                p.kill()
+    first, again = (json.loads((tmp_path / f"{phase}.json").read_text()) for phase in ("first", "again"))
+    shared, _ = prompts()
+    eng = Engine(model_(), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128, prefix_cache=False)
+    want = [r.token_ids for r in eng.generate([Request(q, SamplingParams(max_tokens=4, temperature=0,
+                                                                          ignore_eos=True)) for q in shared])]
+    assert first["first"] == want[0] and first["evicted"] and first["snapshot_on_ssd"]
+    assert first["second"] == again["second"] == want[1]
+    assert first["cached"] == again["cached"] == 64            # the shared prefix, resumed from its snapshot
+    assert first["stats"]["ram"] >= 64 and again["loaded"] > 0 and again["stats"]["ram"] >= 64

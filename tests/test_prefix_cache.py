@@ -480,11 +480,12 @@ def test_requests_take_turns_under_kv_pressure(tiny, turn):
     assert eng.bm.num_free == eng.bm.num_blocks
 
 
-def test_block_copies_go_to_the_pool_they_are_given(tiny):
-    """In one schedule the RAM tier's uploads hand back a new pool before the device tier's block
-    copies run: the copies take that pool (the runner's own is stale, its buffers donated)."""
+def test_a_block_copy_sees_the_upload_before_it(tiny):
+    """In one schedule the RAM tier's uploads run before the device tier's block copies, both
+    through the runner, which owns the pool: a copy of a block just uploaded copies what came in."""
     eng = Engine(tiny, max_num_seqs=1, max_model_len=64)
+    (k, v, _, _), = eng.runner.read_blocks([0])                         # one block's layout, [1, L, nKV, bs, hd]
+    eng.runner.write_rows(np.ones_like(k), np.full_like(v, 2.0), [0], [1])
+    eng.runner.copy_blocks([(1, 2)])
     kv = eng.runner.kv
-    uploaded = kv.replace(k=tuple(x.at[:, 1].set(1.0) for x in kv.k))        # a new pool: block 1 marked
-    out = eng.runner.copy_blocks(uploaded, [(1, 2)])
-    assert out is eng.runner.kv and all(bool((x[:, 2] == 1.0).all()) for x in out.k)
+    assert all(bool((x[:, 2] == 1.0).all()) for x in kv.k) and all(bool((x[:, 2] == 2.0).all()) for x in kv.v)

@@ -1,8 +1,8 @@
 """The prefix cache's RAM tier: KV blocks the device evicted, kept in host memory under their
 prefix keys and brought back instead of being recomputed.
 
-Blocks live in pieces: the blocks read off the device together (kv_blocks.read_blocks), one JAX
-array per piece in the host's pinned memory (models/host_memory.py). Reading them out and bringing
+Blocks live in pieces: the blocks read off the device together (runner.read_blocks, cache/device.py), one JAX
+array per piece in the host's pinned memory (host_memory.py). Reading them out and bringing
 them back are then single asynchronous DMA copies, started on the device's thread without waiting
 for them, and nothing is copied on the host in between. A piece's memory goes only with the piece,
 so the tier evicts whole pieces, least recently used first (a lookup of any of its blocks counts as
@@ -20,8 +20,8 @@ from collections import OrderedDict
 import numpy as np
 import psutil
 
-from ..models.host_memory import put_host
-from ..models.kv_blocks import exact_pieces
+from .host_memory import put_host
+from .device import exact_pieces
 
 log = logging.getLogger("infernix.cache")
 GiB = 1 << 30
@@ -122,7 +122,7 @@ class HostTier:
     def put_many(self, blocks: list) -> None:
         """Keep blocks whose arrays are numpy (loaded from the cache file): (key, parent, tokens, k,
         v), oldest first; stacked into pieces (one host copy each, not views of the file)."""
-        for lo, hi in exact_pieces(len(blocks)):        # power-of-two pieces, as kv_blocks moves them
+        for lo, hi in exact_pieces(len(blocks)):        # power-of-two pieces, as the device moves them
             part = blocks[lo:hi]
             k, v = put_host((np.stack([b[3] for b in part]), np.stack([b[4] for b in part])))
             self._keep(Piece(k, v), [(b[0], b[1], tuple(b[2])) for b in part], part[0][3].nbytes + part[0][4].nbytes)

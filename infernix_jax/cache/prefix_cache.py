@@ -13,7 +13,8 @@ and the sequence is looked up again once they are staged on it (a record that fa
 ends the hit there); then the scheduler `commit`s the hit;
 the device work that implies (reading evicted blocks out, writing blocks back, block copies, state
 restores) is queued and done by `apply` just before the step, in an order that keeps every read
-ahead of the writes that could clobber it."""
+ahead of the writes that could clobber it, through the engine's runner (the one caller of the
+device: engine/runner.py, cache/device.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,8 @@ import time
 
 import numpy as np
 
-from ..models import kv_blocks
 from . import cache_file
+from .device import stack_pieces
 from .block_manager import BlockManager, chain_key
 from .host_tier import HostEntry, HostTier
 
@@ -308,33 +309,29 @@ class PrefixCache:
         if self.host is not None and meta.key not in self.host:
             self._evicted.append((b, meta))
 
-    def apply(self, kv, copy=None):
-        """Do the queued device work; kv is donated: use the returned one. Nothing here waits for
-        the device: copies out and in are started and overlap the step that follows. copy(kv,
-        pairs): how blocks are copied on the device (default kv_blocks.copy_blocks; the engine's
-        runner, which several hosts replay)."""
+    def apply(self, runner) -> None:
+        """Do the queued device work through runner (engine/runner.py). Nothing here waits for the
+        device: copies out and in are started and overlap the step that follows."""
         if self.host is not None and self._evicted:
             ev = self._evicted
-            for k, v, lo, hi in kv_blocks.read_blocks(kv, [b for b, _ in ev]):
+            for k, v, lo, hi in runner.read_blocks([b for b, _ in ev]):
                 self.host.add([m for _, m in ev[lo:hi]], k, v, self.block_bytes)
             self._evicted = []
         if self._uploads:
-            kv = self._upload(kv, self._uploads)
+            self._upload(runner, self._uploads)
             self._uploads = []
         if self._copies:
-            kv = (copy or kv_blocks.copy_blocks)(kv, self._copies)
+            runner.copy_blocks(self._copies)
             for src, _ in self._copies:
                 self.bm.unref(src)
             self._copies = []
         if self._restores:
-            from ..models.hybrid_paged import restore_snapshot
             for seq, snap in self._restores:
-                kv = restore_snapshot(kv, seq.state_slot, snap)
+                runner.restore_snapshot(seq.state_slot, snap)
             self._restores = []
-        return kv
 
     @staticmethod
-    def _upload(kv, ups: list):
+    def _upload(runner, ups: list) -> None:
         """Write (device block, entry) pairs: RAM-tier blocks one transfer per piece they lie in,
         blocks read from the SSD stacked into pieces first."""
         by_piece, loose = {}, []
@@ -348,21 +345,21 @@ class PrefixCache:
                 loose.append((b, e.arrays()))       # read from the SSD
         for piece, rows, dst in by_piece.values():
             if 2 * len(rows) >= piece.k.shape[0]:          # most of the piece: send it whole
-                kv = kv_blocks.write_rows(kv, piece.k, piece.v, rows, dst)
+                runner.write_rows(piece.k, piece.v, rows, dst)
             else:                                           # a few rows: not the whole piece to the device
                 k, v = piece.numpy()
                 loose += [(b, (k[r], v[r])) for r, b in zip(rows, dst)]
-        for k, v, lo, hi in kv_blocks.stack_pieces([a for _, a in loose]):
-            kv = kv_blocks.write_rows(kv, k, v, list(range(hi - lo)), [b for b, _ in loose[lo:hi]])
-        return kv
+        for k, v, lo, hi in stack_pieces([a for _, a in loose]):
+            runner.write_rows(k, v, list(range(hi - lo)), [b for b, _ in loose[lo:hi]])
 
     # ---- across restarts (cache_file) ----------------------------------------------------------
-    def save(self, path: str, fp: dict, kv, cap_bytes: int) -> int:
-        """Write the device's cached blocks, then the RAM tier's (newest first), up to cap_bytes."""
+    def save(self, path: str, fp: dict, runner, cap_bytes: int) -> int:
+        """Write the device's cached blocks (read through runner), then the RAM tier's (newest
+        first), up to cap_bytes."""
         blocks, used = [], 0
         dev = [b for b, m in self.bm.meta.items() if self.host is None or m.key not in self.host]
         dev = dev[:max(0, cap_bytes // max(1, self.block_bytes))]
-        for k, v, lo, hi in kv_blocks.read_blocks(kv, dev):
+        for k, v, lo, hi in runner.read_blocks(dev):
             k, v = np.asarray(k), np.asarray(v)
             for i, b in enumerate(dev[lo:hi]):
                 m = self.bm.meta[b]
@@ -394,7 +391,7 @@ class PrefixCache:
             self.ssd.restore(saved["ssd"])
         self.host.put_many(saved["blocks"][::-1])        # oldest first: the newest end up newest
         if self.snapshots is not None:
-            from ..models.hybrid_paged import StateSnapshot
+            from .snapshots import StateSnapshot
             for key, n, conv, ssm in saved["snapshots"]:
                 self.snapshots.put(key, StateSnapshot(conv, ssm, n))
         return len(saved["blocks"])

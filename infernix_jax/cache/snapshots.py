@@ -12,7 +12,24 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..models.hybrid_paged import StateSnapshot, take_snapshot
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class StateSnapshot:
+    """One sequence's recurrent state after its first num_tokens tokens: conv[j] [K-1, C] and
+    ssm[j] [Hv, dk, dv] fp32 per linear layer, as arrays in host memory (device.take_snapshot: the
+    copy runs in the background) or numpy (loaded from a file); device.restore_snapshot takes
+    either. The attention layers' K/V of the same prefix are ordinary blocks, found by the block
+    hashes: a snapshot pairs with the hash of its last block."""
+    conv: tuple
+    ssm: tuple
+    num_tokens: int = struct.field(pytree_node=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (*self.conv, *self.ssm))
 
 
 class SnapshotStore:
@@ -23,13 +40,14 @@ class SnapshotStore:
         self.taken = 0
         self.on_drop = None               # callback(key, snapshot) for those given up (the SSD tier)
 
-    def after_chunk(self, seq, kv, bm) -> None:
+    def after_chunk(self, seq, runner, bm) -> None:
         """Called after a step fed seq a chunk (its blocks sealed): snapshot on a boundary."""
         if seq.num_computed % self.interval == 0:
-            self.capture(seq, kv, bm)
+            self.capture(seq, runner, bm)
 
-    def capture(self, seq, kv, bm) -> None:
-        """Snapshot seq's state (which holds its num_computed tokens) under its prefix key."""
+    def capture(self, seq, runner, bm) -> None:
+        """Snapshot seq's state (which holds its num_computed tokens) under its prefix key, taken
+        by runner (engine/runner.py: take_snapshot)."""
         n = seq.num_computed
         if n == 0 or seq.state_slot is None or seq.state_dirty or self.capacity <= 0:
             return
@@ -39,7 +57,7 @@ class SnapshotStore:
         if key in self._snaps:
             self._snaps.move_to_end(key)
             return
-        self._snaps[key] = take_snapshot(kv, seq.state_slot, n).to_host()
+        self._snaps[key] = runner.take_snapshot(seq.state_slot, n)
         self.taken += 1
         self._trim()
 

@@ -273,7 +273,7 @@ class SSDTier:
         return DiskEntry(key, int.from_bytes(pb, "little"), tokens, k, v)
 
     def _parse_snapshot(self, raw: bytes, num_tokens: int):
-        from ..models.hybrid_paged import StateSnapshot
+        from .snapshots import StateSnapshot
         conv_l, ssm_l = self.state_layout
         layout = (*conv_l, *ssm_l)
         sizes = [int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in layout]

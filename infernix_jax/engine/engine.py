@@ -67,10 +67,9 @@ class Engine:
         state_snapshots, parallel, kv_dtype, block_size = c.state_snapshots, c.parallel, c.kv_dtype, c.block_size
         max_num_seqs = c.max_num_seqs
         if distributed.several():
-            _check_several_hosts(kv_dtype, c.prefix_cache_ram_gib, c.ssd_context_gib, c.prefix_cache_file,
-                                 state_snapshots)
+            if kv_dtype == "bf16p":
+                raise ValueError("not supported across several hosts yet: --kv-dtype bf16p")
             distributed.check_mesh(parallel)
-            state_snapshots = 0          # hybrids: no snapshots across hosts yet (distributed.py)
         self.kv_dtype = kv_dtype
         self.model = model
         self.cfg = model.cfg
@@ -114,7 +113,7 @@ class Engine:
                                    align=self.snapshots.interval if self.snapshots is not None else 0,
                                    cache=self.cache, turn_s=c.fair_turn_s)
         if self.snapshots is not None:
-            self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner.kv, self.bm)
+            self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner, self.bm)
         impl = c.attn_impl or ("pallas" if on_gpu else "reference")
         self.runner = Runner(model, self.plan.num_blocks, block_size, impl, state_slots=max_num_seqs,
                              max_context=self.max_context, kv_dtype=kv_dtype, parallel=parallel)
@@ -153,6 +152,8 @@ class Engine:
         if not c.prefix_cache:
             return None
         ram_gib, ssd_gib, path = c.prefix_cache_ram_gib, c.ssd_context_gib, c.prefix_cache_file
+        if not distributed.is_leader():     # several hosts: the leader's tiers hold whole blocks; others
+            ram_gib, ssd_gib, path = 0, 0, None     # only replay its device calls (distributed.py)
         if (ssd_gib > 0 or path) and ram_gib == 0:
             ram_gib = 1.0          # the SSD tier and the cache file work through the RAM tier
             log.info("prefix cache: a 1 GiB RAM tier for the SSD tier / cache file")
@@ -160,7 +161,7 @@ class Engine:
         cfg, bs = self.cfg, self.bm.block_size
         ssd = None
         if ssd_gib > 0:
-            from ..models.kv_blocks import host_block_layout
+            from ..cache.device import host_block_layout
             from ..models.kv_pool import num_attention_layers
             k_shape, v_shape, block_dtype = host_block_layout(cfg, bs, self.model.dtype, self.kv_dtype)
             layout = None
@@ -186,16 +187,21 @@ class Engine:
 
     def close(self) -> None:
         """Save the prefix cache (with --prefix-cache-file) and stop the SSD writer; on several hosts
-        the leader releases the followers. Idempotent."""
-        self.runner.release()
-        self.runner.shapes.save()
+        the leader then releases the followers (which replay the save's block reads). Idempotent."""
+        try:
+            self._close_cache()
+        finally:
+            self.runner.release()
+            self.runner.shapes.save()
+
+    def _close_cache(self) -> None:
         cache, path = self.cache, self.cache_file
         self.cache_file = None
         if cache is None:
             return
         if path:
             try:
-                n = cache.save(path, self.fingerprint, self.runner.kv,
+                n = cache.save(path, self.fingerprint, self.runner,
                                cache.host.capacity if cache.host is not None else GiB)
                 log.info("prefix cache: saved to %s (%.1f MiB)", path, n / 2**20)
             except OSError as e:
@@ -276,7 +282,7 @@ class Engine:
                 self._finish(seq, "abort")
             return
         if self.cache is not None:
-            self.runner.kv = self.cache.apply(self.runner.kv, copy=self.runner.copy_blocks)
+            self.cache.apply(self.runner)
         t = time.perf_counter()
         outs = self.runner.run(plan, k)      # waits for the step's tokens
         if self.cache is not None and k == 1:
@@ -337,7 +343,7 @@ class Engine:
         if self.snapshots is not None:
             for seq, n in plan:      # prefill chunks (a 1-token one may end on a boundary too)
                 if seq.status is Status.RUNNING and k == 1 and (n > 1 or seq.num_computed <= len(seq.prompt_ids)):
-                    self.snapshots.after_chunk(seq, self.runner.kv, self.bm)
+                    self.snapshots.after_chunk(seq, self.runner, self.bm)
 
     def _accept(self, seq: Sequence, out: StepOutput, j: int) -> bool:
         """Take token j of a step's output. True when the loop guard injected </think>: the rest of a
@@ -506,13 +512,3 @@ class Engine:
                     self.cache.reset()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(seq, "abort")
-
-
-def _check_several_hosts(kv_dtype: str, ram_gib: float, ssd_gib: float, cache_file: str | None,
-                         snapshots: int | None) -> None:
-    """What does not run across hosts yet (distributed.py): a clear error at start."""
-    bad = [flag for flag, on in (("--kv-dtype bf16p", kv_dtype == "bf16p"), ("--prefix-cache-ram-gib", ram_gib > 0),
-                                 ("--ssd-context-gib", ssd_gib > 0), ("--prefix-cache-file", bool(cache_file)),
-                                 ("--state-snapshots", bool(snapshots))) if on]
-    if bad:
-        raise ValueError(f"not supported across several hosts yet: {', '.join(bad)}")

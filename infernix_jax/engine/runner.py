@@ -1,5 +1,8 @@
 """The only caller of jitted code: packs a scheduled batch into bucketed int32 arrays, runs one
-step (or several decode steps in one dispatch), and brings the sampled tokens back in one transfer."""
+step (or several decode steps in one dispatch), and brings the sampled tokens back in one transfer;
+and runs the prefix cache's device work (block reads, writes and copies, state snapshots: the cache
+plans them, cache/device.py holds them). On several hosts every device call is replayed by the
+other processes (follow)."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cache import device
+from ..cache.snapshots import StateSnapshot
 from ..models.hybrid_paged import StateRows
 from ..models.kv_pool import PagedKV, init_paged_kv
 from ..quant.apply import with_impl
@@ -70,7 +75,8 @@ class Runner:
         """Run device op `op` (method _op_<op>) with these host arguments; the leader of several
         hosts sends it to the followers first (they replay it in order)."""
         if self.channel is not None and distributed.is_leader():
-            self.channel.send((op, args, kw))
+            # (arrays in host memory travel as numpy: the followers put them on their own devices)
+            self.channel.send(jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, (op, args, kw)))
         return getattr(self, "_op_" + op)(*args, **kw)
 
     def follow(self) -> None:
@@ -105,16 +111,53 @@ class Runner:
             out, self.kv = fn(self.params, self.cfg, self.kv, *args, **kw)
         return out
 
-    def _op_copy_blocks(self, pairs):
-        from ..models.kv_blocks import copy_blocks
-        self.kv = copy_blocks(self.kv, pairs)
-        return self.kv
+    # ---- scoring (quality.py): one sequence through a pool of this runner's own ------------------
+    def score(self, tokens, start: int):
+        """Log-probabilities [T, V] f32 of the next token after each of one sequence's tokens [T]
+        at positions start .. start + T - 1, in blocks 0, 1, ... of the pool, after the tokens
+        before start (scored earlier, in pieces, or none)."""
+        return self._device("score", tokens, start)
 
-    def copy_blocks(self, kv, pairs) -> PagedKV:
-        """The prefix cache's copy-on-write of blocks in pool kv (this runner's, or the one the
-        cache's uploads just made of it; donated)."""
-        self.kv = kv
-        return self._device("copy_blocks", pairs)
+    def _op_score(self, tokens, start):
+        tables = np.arange(self.num_blocks - 1, dtype=np.int32)[None]        # (the last block: spare)
+        with sharding.use(self.mesh):
+            lp, self.kv = steps.prefill_logprobs(self.params, self.cfg, self.kv, tokens, tables, self.attn_impl, start)
+        return lp
+
+    # ---- the prefix cache's device work (cache/device.py) ------------------------------------------
+    def read_blocks(self, ids: list[int]) -> list:
+        """[(k, v, lo, hi)]: blocks ids[lo:hi] on their way to host memory (device.read_blocks)."""
+        return self._device("read_blocks", list(ids))
+
+    def _op_read_blocks(self, ids):
+        return device.read_blocks(self.kv, ids)
+
+    def write_rows(self, k, v, rows: list[int], dst: list[int]) -> None:
+        """Rows of a piece of host blocks into device blocks dst (device.write_rows)."""
+        self._device("write_rows", k, v, list(rows), list(dst))
+
+    def _op_write_rows(self, k, v, rows, dst):
+        self.kv = device.write_rows(self.kv, k, v, rows, dst)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src to block dst for each (src, dst)."""
+        self._device("copy_blocks", list(pairs))
+
+    def _op_copy_blocks(self, pairs):
+        self.kv = device.copy_blocks(self.kv, pairs)
+
+    def take_snapshot(self, slot: int, num_tokens: int) -> StateSnapshot:
+        """Hybrids: the state in `slot` (its first num_tokens tokens), on its way to host memory."""
+        return self._device("take_snapshot", int(slot), int(num_tokens))
+
+    def _op_take_snapshot(self, slot, num_tokens):
+        return device.take_snapshot(self.kv, slot, num_tokens)
+
+    def restore_snapshot(self, slot: int, snap: StateSnapshot) -> None:
+        self._device("restore_snapshot", int(slot), snap)
+
+    def _op_restore_snapshot(self, slot, snap):
+        self.kv = device.restore_snapshot(self.kv, slot, snap)
 
     def reset_kv(self) -> None:
         self._device("reset_kv")
@@ -331,7 +374,7 @@ class Runner:
         and, with `run`, run it once on padding (every K/V and state write goes to the dropped slot),
         so that the first run's fixed cost does not fall on a request (shapes.worth_running)."""
         if key[0] == "copy":
-            self.kv = self._device("copy_blocks", [])         # the prefix cache's copy-on-write
+            self.copy_blocks([])         # the prefix cache's copy-on-write
             return
         if key[0] == "decode":
             _, B, M, k, want_top, pen = key

@@ -9,23 +9,19 @@ decode kernel on GPUs), and [rows, T] right-padded for the prefill chunks (the c
 inter-chunk pass in Pallas on GPUs), then
 scatter the outputs back to the flat axis. Padding reads state slot S (out of range: zeros) and
 its writes are dropped, and padded tokens get beta = g = 0: nothing leaks into any state.
-
-Snapshots: the state of one sequence copied out of its slot (and to host memory and back), so that
-the prefix cache can resume a hybrid conversation where a snapshot was taken."""
+(Snapshots of a slot, for the prefix cache: cache/device.py.)"""
 from __future__ import annotations
 
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from ..config import ModelConfig
 from ..sharding import constrain
 from .hybrid import gated_attention, gdn_core, gdn_inputs, gdn_output, hybrid_mlp, rms_norm_1p
 from .kv_pool import PagedKV, paged_attend
-from .host_memory import to_device, to_host
 
 
 @struct.dataclass
@@ -103,51 +99,3 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
             x = constrain(x, "batch", "seq", "embed")
     x = rms_norm_1p(x, params["final_norm"], eps)
     return x[0], kv.replace(**pools(), conv=tuple(conv), ssm=tuple(ssm))
-
-
-# ---- snapshots -----------------------------------------------------------------------------------
-@struct.dataclass
-class StateSnapshot:
-    """One sequence's recurrent state after its first num_tokens tokens: conv[j] [K-1, C] and
-    ssm[j] [Hv, dk, dv] fp32 per linear layer. The arrays are device arrays (take_snapshot), arrays
-    in host memory (to_host: the copy runs in the background) or numpy (loaded from a file);
-    restore_snapshot takes any of them. The attention layers' K/V of the same prefix are
-    ordinary blocks, found by the block hashes: a snapshot pairs with the hash of its last block."""
-    conv: tuple
-    ssm: tuple
-    num_tokens: int = struct.field(pytree_node=False)
-
-    def to_host(self) -> "StateSnapshot":
-        """A copy in host memory (models/host_memory.py), started without waiting for it."""
-        conv, ssm = to_host((self.conv, self.ssm))
-        return StateSnapshot(conv, ssm, self.num_tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (*self.conv, *self.ssm))
-
-
-@jax.jit
-def _gather_slot(conv, ssm, slot):
-    return tuple(c[slot] for c in conv), tuple(s[slot] for s in ssm)
-
-
-@partial(jax.jit, donate_argnames=("kv",))
-def _scatter_slot(kv: PagedKV, slot, conv, ssm):
-    return kv.replace(conv=tuple(c.at[slot].set(x.astype(c.dtype)) for c, x in zip(kv.conv, conv)),
-                      ssm=tuple(s.at[slot].set(x) for s, x in zip(kv.ssm, ssm)))
-
-
-def take_snapshot(kv: PagedKV, slot: int, num_tokens: int) -> StateSnapshot:
-    """A copy (on the device) of the state in `slot`, which holds the first num_tokens tokens."""
-    conv, ssm = _gather_slot(kv.conv, kv.ssm, jnp.int32(slot))
-    return StateSnapshot(conv, ssm, num_tokens)
-
-
-def restore_snapshot(kv: PagedKV, slot: int, snap: StateSnapshot) -> PagedKV:
-    """Write a snapshot (device or host arrays) into `slot`; kv is donated: use the returned one."""
-    if len(snap.conv) != len(kv.conv) or any(a.shape != c.shape[1:] for a, c in zip(snap.conv, kv.conv)) \
-            or any(a.shape != s.shape[1:] for a, s in zip(snap.ssm, kv.ssm)):
-        raise ValueError("the snapshot does not match this model's state shapes")
-    conv, ssm = to_device((snap.conv, snap.ssm), kv.conv[0])
-    return _scatter_slot(kv, jnp.int32(slot), conv, ssm)

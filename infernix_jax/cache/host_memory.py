@@ -3,7 +3,8 @@ it (CUDA, TPU, and the CPU backend, where it is ordinary memory): both direction
 at the link's full speed, and both are asynchronous: `to_host` and `to_device` return at once and
 the copy overlaps the device's work; only reading the array's values (numpy) waits for it.
 
-The prefix cache keeps evicted KV blocks and hybrid state snapshots this way, so neither moving
+The prefix cache keeps evicted KV blocks and hybrid state snapshots this way (through the runner:
+cache/device.py), so neither moving
 them out nor bringing them back stalls the thread that drives the device."""
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def host_sharding(device) -> SingleDeviceSharding | None:
 
 def to_host(x):
     """Start copying a device array (or a pytree of them) to host memory; returns at once. An array
-    split over several devices (sharding.py) is gathered into numpy instead (waits)."""
+    split over several devices (sharding.py) is gathered into numpy instead (waits); one over
+    several processes must be replicated (device.whole), and this process's copy is taken."""
     def one(a):
+        if not a.is_fully_addressable:
+            a = a.addressable_data(0)
         s = host_sharding(next(iter(a.devices()))) if len(a.devices()) == 1 else None
         if s is None:                     # a backend without host memory kinds: numpy (waits)
             return np.asarray(a)
@@ -43,8 +47,16 @@ def put_host(x, device=None):
 
 def to_device(x, like):
     """Start copying host arrays (pinned JAX arrays or numpy) to the device memory of the devices
-    that array `like` is on (several: a copy on each, for a step on the mesh to take)."""
+    that array `like` is on (several: a copy on each, for a step on the mesh to take; several
+    processes: every process passes the same values, and each fills its own devices)."""
     devs = like.sharding.device_set
     if len(devs) == 1:
         return jax.device_put(x, SingleDeviceSharding(next(iter(devs))))
-    return jax.device_put(x, NamedSharding(like.sharding.mesh, PartitionSpec()))
+    s = NamedSharding(like.sharding.mesh, PartitionSpec())
+    if like.is_fully_addressable:
+        return jax.device_put(x, s)
+
+    def one(a):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, s, lambda index: a[index])
+    return jax.tree.map(one, x)

@@ -1,6 +1,8 @@
-"""Whole-block moves in the paged KV pool, for the prefix cache: read blocks out (to keep them in
-host memory when the device evicts them), write blocks in (bring them back), and copy one block to
-another (copy-on-write reuse of a partly matching block).
+"""The device side of the prefix cache, which only the engine's runner calls (engine/runner.py: it
+replays each call on the other hosts of a multi-host run): whole-block moves in the paged KV pool
+(read blocks out to keep them in host memory when the device evicts them, write blocks in to bring
+them back, copy one block to another for copy-on-write reuse of a partly matching block), and
+hybrids' state slots (a snapshot taken out of a sequence's slot, and written back into another).
 
 Blocks move in pieces of a power-of-two number of blocks, at most CHUNK: a read of n blocks is
 split by n's binary digits (300 = 256 + 32 + 8 + 4), so a piece kept in host memory holds no
@@ -17,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.kv_pool import PagedKV
 from .host_memory import to_device, to_host
-from .kv_pool import PagedKV
+from .snapshots import StateSnapshot
 
 
 CHUNK = 256
@@ -41,7 +44,7 @@ def host_block_layout(cfg, block_size: int, dtype, kv_dtype: str = ""):
     """-> (k shape, v shape, dtype) of one block as read_blocks hands it to the host tiers:
     [L, nKV, bs, hd] in the model dtype, or quantized [L, nKV, R] uint8 (codes, then scales)."""
     from pallas_kernels import kv_quant
-    from .kv_pool import KV_DTYPES, num_attention_layers
+    from ..models.kv_pool import KV_DTYPES, num_attention_layers
     L, nKV = num_attention_layers(cfg), cfg.num_kv_heads
     if not kv_dtype:
         return (L, nKV, block_size, cfg.head_dim), (L, nKV, block_size, cfg.head_dim), np.dtype(dtype)
@@ -79,23 +82,37 @@ def _from_bytes(b, like, escapes: int = 0):
     return codes, scale, esc
 
 
-@jax.jit
-def _gather(kv: PagedKV, ids):
-    # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]; quantized: [n, L, nKV, R] bytes
+@partial(jax.jit, static_argnames=("whole",))
+def _gather(kv: PagedKV, ids, whole=None):
+    # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]; quantized: [n, L, nKV, R] bytes. whole: a
+    # sharding the result is gathered into (several hosts: every process holds all of it)
     if kv.kv_dtype:
         esc = lambda e, j: None if not e else e[j][:, ids]  # noqa: E731
-        return tuple(jnp.stack([_to_bytes(x[:, ids], s[:, ids], esc(e, j)) for j, (x, s) in enumerate(zip(a, sc))],
-                               1).transpose(2, 1, 0, 3)
-                     for a, sc, e in ((kv.k, kv.k_scale, kv.k_esc), (kv.v, kv.v_scale, kv.v_esc)))
-    return tuple(jnp.stack([x[:, ids] for x in a], 1).transpose(2, 1, 0, 3, 4) for a in (kv.k, kv.v))
+        out = tuple(jnp.stack([_to_bytes(x[:, ids], s[:, ids], esc(e, j)) for j, (x, s) in enumerate(zip(a, sc))],
+                              1).transpose(2, 1, 0, 3)
+                    for a, sc, e in ((kv.k, kv.k_scale, kv.k_esc), (kv.v, kv.v_scale, kv.v_esc)))
+    else:
+        out = tuple(jnp.stack([x[:, ids] for x in a], 1).transpose(2, 1, 0, 3, 4) for a in (kv.k, kv.v))
+    return out if whole is None else jax.lax.with_sharding_constraint(out, whole)
+
+
+def whole(kv: PagedKV):
+    """The replicated sharding of kv's mesh when it spans several processes (each then keeps a
+    whole copy of what is read out: the leader's is the one the host tiers keep), else None."""
+    x = kv.k[0]
+    if x.is_fully_addressable:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec
+    return NamedSharding(x.sharding.mesh, PartitionSpec())
 
 
 def read_blocks(kv: PagedKV, ids: list[int]) -> list:
     """[(k, v, lo, hi)] per piece: blocks ids[lo:hi] as [hi - lo, L, nKV, bs, hd] arrays in host
-    memory (quantized KV: [hi - lo, L, nKV, R] uint8, see host_block_layout). The copies are started here and overlap the device's next work."""
-    out = []
+    memory (quantized KV: [hi - lo, L, nKV, R] uint8, see host_block_layout). The copies are
+    started here and overlap the device's next work."""
+    out, w = [], whole(kv)
     for lo, hi in exact_pieces(len(ids)):
-        k, v = _gather(kv, np.asarray(ids[lo:hi], np.int32))
+        k, v = _gather(kv, np.asarray(ids[lo:hi], np.int32), whole=w)
         k, v = to_host((k, v))
         out.append((k, v, lo, hi))
     return out
@@ -163,3 +180,32 @@ def copy_blocks(kv: PagedKV, pairs: list[tuple[int, int]]) -> PagedKV:
     for i, (s, d) in enumerate(pairs):
         src[i], dst[i] = s, d
     return _copy(kv, src, dst)
+
+
+# ---- hybrids' state slots --------------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("whole",))
+def _gather_slot(conv, ssm, slot, whole=None):
+    out = tuple(c[slot] for c in conv), tuple(s[slot] for s in ssm)
+    return out if whole is None else jax.lax.with_sharding_constraint(out, whole)
+
+
+@partial(jax.jit, donate_argnames=("kv",))
+def _scatter_slot(kv: PagedKV, slot, conv, ssm):
+    return kv.replace(conv=tuple(c.at[slot].set(x.astype(c.dtype)) for c, x in zip(kv.conv, conv)),
+                      ssm=tuple(s.at[slot].set(x) for s, x in zip(kv.ssm, ssm)))
+
+
+def take_snapshot(kv: PagedKV, slot: int, num_tokens: int) -> StateSnapshot:
+    """A copy of the state in `slot`, which holds the first num_tokens tokens, on its way to host
+    memory (the copy overlaps the device's next work)."""
+    conv, ssm = to_host(_gather_slot(kv.conv, kv.ssm, jnp.int32(slot), whole=whole(kv)))
+    return StateSnapshot(conv, ssm, num_tokens)
+
+
+def restore_snapshot(kv: PagedKV, slot: int, snap: StateSnapshot) -> PagedKV:
+    """Write a snapshot (host arrays or numpy) into `slot`; kv is donated: use the returned one."""
+    if len(snap.conv) != len(kv.conv) or any(a.shape != c.shape[1:] for a, c in zip(snap.conv, kv.conv)) \
+            or any(a.shape != s.shape[1:] for a, s in zip(snap.ssm, kv.ssm)):
+        raise ValueError("the snapshot does not match this model's state shapes")
+    conv, ssm = to_device((snap.conv, snap.ssm), kv.conv[0])
+    return _scatter_slot(kv, jnp.int32(slot), conv, ssm)
