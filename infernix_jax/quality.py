@@ -87,9 +87,10 @@ def window_logprobs(params, cfg, ids: list[int], dtype, attn_impl: str, block_si
     run the fused quantized matmul, as decode does; a whole window runs prefill's XLA route)."""
     from types import SimpleNamespace
     from .engine.runner import Runner
+    from .route import Route
     T = len(ids)
     runner = Runner(SimpleNamespace(cfg=cfg, params=params, dtype=dtype), -(-T // block_size) + 1, block_size,
-                    attn_impl, state_slots=1, kv_dtype=kv_dtype)
+                    Route.named(attn_impl, kv_dtype), state_slots=1)
     step = chunk or T
     return np.concatenate([np.asarray(runner.score(jnp.asarray(ids[lo:lo + step], jnp.int32), lo), np.float32)
                            for lo in range(0, T, step)])

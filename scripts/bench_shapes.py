@@ -29,6 +29,7 @@ from infernix_jax.models.fuse import fuse_params
 from infernix_jax.models.params import init_params
 from infernix_jax.quant import WEIGHT_FORMATS
 from infernix_jax.sharding import Parallel
+from infernix_jax.route import Route
 from scripts.bench_probes import GiB, copy_bandwidth, matmul_flops, timed
 
 
@@ -78,17 +79,18 @@ class Bench:
         fuse = fuse and self.mesh is None
         self.kv_dtype = kv_dtype
         self.out = out
-        self.bs, self.k, self.impl = block_size, decode_steps, impl
+        self.bs, self.k = block_size, decode_steps
+        self.route = Route.named(impl, kv_dtype)
         # other ragged-kernel tiles for attention() to time beside the default: (rows, blocks, warps, stages)
         self.prefill_alternatives = ((64, 4, 4, 3), (128, 4, 4, 3), (128, 8, 8, 2))
         self.dtype = jnp.bfloat16
         self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
         if weights == "gguf":
             raise ValueError("shapes has random weights, no GGUF file: pass a block type, e.g. --weights q4_k")
-        if weights:              # --weights: the projections quantized, multiplied by impl's kernels
-            from infernix_jax.quant.apply import quantize_params, with_impl
-            self.params = with_impl(quantize_params(self.params, weights, progress=False)
-                                    if weights in WEIGHT_FORMATS else gguf_blocks(self.params, weights), impl)
+        if weights:              # --weights: the projections quantized (multiplied by the route's kernels)
+            from infernix_jax.quant.apply import quantize_params
+            self.params = quantize_params(self.params, weights, progress=False) if weights in WEIGHT_FORMATS \
+                else gguf_blocks(self.params, weights)
         if fuse:                 # as load_model does (models/fuse.py); --unfused: one product per part
             self.params = fuse_params(self.params)
         if self.mesh is not None:
@@ -146,7 +148,7 @@ class Bench:
         def call():
             with sharding.use(self.mesh):
                 out, state["kv"] = steps.decode_steps(self.params, self.cfg, state["kv"], tok, pos, bt, valid, st,
-                                                      samp, num_steps=self.k, attn_impl=self.impl, want_top=False,
+                                                      samp, num_steps=self.k, route=self.route, want_top=False,
                                                       rows=rows)
             out[0].block_until_ready()
         t0 = time.perf_counter()
@@ -180,7 +182,7 @@ class Bench:
         def call():
             with sharding.use(self.mesh):
                 for args, rows in calls:
-                    out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, attn_impl=self.impl,
+                    out, state["kv"] = steps.mixed_step(self.params, self.cfg, state["kv"], *args, route=self.route,
                                                         want_top=False, rows=rows)
             out[0].block_until_ready()
         sec = timed(call, reps)

@@ -35,13 +35,13 @@ def run(model, cases: list[tuple[int, int]], context: int, out: str) -> list[dic
         return lambda: r._device("mixed", np.zeros((N,), np.int32), np.zeros((N,), np.int32),
                                  np.full((N,), r.num_blocks * r.block_size, np.int32), np.zeros((B, M), np.int32),
                                  np.full((B,), context, np.int32), cu, cu[1:] - 1, zb, SamplingArrays.greedy(B),
-                                 attn_impl=r.attn_impl, want_top=True, penalties=None, allowed=r._allowed([], B),
+                                 route=r.route, want_top=True, penalties=None, allowed=r._allowed([], B),
                                  guard=None, rows=None, multi_rows=multi)
 
     def decode(B: int, k: int):
         zb = np.zeros((B,), np.int32)
         return lambda: r._device("decode", zb, zb + context, np.zeros((B, M), np.int32), np.ones((B,), bool), zb,
-                                 SamplingArrays.greedy(B), num_steps=k, attn_impl=r.attn_impl, want_top=False,
+                                 SamplingArrays.greedy(B), num_steps=k, route=r.route, want_top=False,
                                  penalties=None, guard=None, rows=None, **r._ends([], B))
 
     rows = []

@@ -114,7 +114,7 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
     from infernix_jax.loader import DTYPES, load_model
     from infernix_jax import quality as ql
     from infernix_jax.models.fuse import fuse_params
-    from infernix_jax.quant.apply import quantize_params, with_impl
+    from infernix_jax.quant.apply import quantize_params
     model = load_model(model_spec, dtype="float32", fuse=False)     # quantized part by part, then fused, as served
     if model.weights_format:
         raise ValueError(f"{model_spec} holds {model.weights_format} weights: infernix-quality measures each format "
@@ -159,7 +159,7 @@ def measure(model_spec: str, text: str, routes: list[str], fmts: list[str], dtyp
                     base = model.params if lossless else _cast(model.params, dt)
                     params = fuse_params(base if fmt == "none" else quantize_params(base, fmt, progress=False))
                     impl = "reference" if lossless or not on_gpu else "pallas"
-                    st = ql.compare(ref, logprobs(with_impl(params, impl), route, f32 if lossless else dt, impl, kv),
+                    st = ql.compare(ref, logprobs(params, route, f32 if lossless else dt, impl, kv),
                                     wins)
                     row = {"route": route, **name, **st.row()}
                     if floor is not None and floor.mean_kl > 0:

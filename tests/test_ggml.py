@@ -3,7 +3,6 @@ repacked blocks decode bit-identically to gguf-py's own dequantization; the fuse
 reads them (interpret mode on the CPU, compiled on the GPU, lowered to Triton from the CPU) as the
 reference does; a GGUF file of mixed block types served on its blocks matches transformers given
 the stored weights; the real SmolLM2 file gives the very logits of dequantizing at load."""
-import dataclasses
 
 import gguf
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from infernix_jax.loader import load_model
-from infernix_jax.quant.apply import with_impl
+from infernix_jax.route import Route, use
 from infernix_jax.quant.formats import dequantize, nominal_bits
 from infernix_jax.quant.ggml import GGML_FORMATS, from_blocks, random_blocks
 from infernix_jax.weights import ModelLoadError
@@ -117,8 +116,8 @@ def test_a_gguf_of_mixed_blocks_served_on_its_blocks_matches_transformers(tmp_pa
     tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (2, 9))
     ref = hf_logits(hf, tokens)
     assert rel_err(ours_full(m, tokens), ref) <= RTOL
-    kernels = dataclasses.replace(m, params=with_impl(m.params, "pallas_interpret"))
-    assert rel_err(ours_full(kernels, tokens), ref) <= RTOL
+    with use(Route.named("pallas_interpret")):            # linear's kernels (interpret mode)
+        assert rel_err(ours_full(m, tokens), ref) <= RTOL
     # infernix-convert keeps the blocks too: every array of every type comes back bit for bit
     from scripts.convert import main as convert_main
     assert convert_main([str(tmp_path / "mixed.gguf"), str(tmp_path / "conv"), "--weights", "gguf",
@@ -202,7 +201,7 @@ def test_moe_experts_stay_in_their_gguf_blocks(tmp_path):
     k = m.cfg.num_experts_per_tok
     plain = {**layer, **{n: dequantize(layer[n]) for n in ("e_gate", "e_up", "e_down")}}
     want = np.asarray(moe_mlp(x, plain, k, True, "silu", gather=False))
-    got = moe_mlp(x, with_impl(layer, "pallas_interpret"), k, True, "silu", impl="pallas_interpret")
+    got = moe_mlp(x, layer, k, True, "silu", route=Route.named("pallas_interpret"))
     assert isinstance(layer["e_gate"], QTensor) and rel_err(got, want) < 1e-5
     from infernix_jax.engine.plan import params_bytes
     from infernix_jax.loader import planned_gguf_bytes

@@ -12,6 +12,7 @@ from safetensors.numpy import save_file
 from hf_reference import hf_logits, make_hf_model
 from infernix_jax.loader import load_model
 from infernix_jax.models import forward, init_cache, logits_from_hidden
+from infernix_jax.route import Route
 
 RTOL = 1e-4  # max |ours - hf| / max |hf|, fp32
 
@@ -36,6 +37,8 @@ CASES = {
     "qwen3_5-moe": ("qwen3_5_moe", {}),
 }
 
+
+INTERPRET = Route.named("pallas_interpret")        # the Pallas kernels, in interpret mode (CPU)
 
 def rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
@@ -183,7 +186,7 @@ def test_quantized_experts_compute_as_their_dequantized_weights(fmt):
         got, want = moe_mlp(x, q, k, True, "silu", gather=gather), moe_mlp(x, deq, k, True, "silu", gather=gather)
         assert rel_err(got, np.asarray(want)) < 1e-5, gather
     # the grouped expert kernel dequantizes the same codes inside the kernel (interpret mode)
-    got = moe_mlp(x, q, k, True, "silu", impl="pallas_interpret")
+    got = moe_mlp(x, q, k, True, "silu", route=INTERPRET)
     assert rel_err(got, np.asarray(moe_mlp(x, deq, k, True, "silu", gather=False))) < 1e-5
     abstract = {"layers": [jax.eval_shape(lambda: p)]}
     assert planned_bytes(abstract, 4, fmt) < 0.3 * planned_bytes(abstract, 4)        # the experts shrink
@@ -204,7 +207,7 @@ def test_moe_gather_path_equals_dense(norm):
 
 @pytest.mark.parametrize("tokens", [5, 150], ids=["small", "prefill"])
 def test_moe_grouped_kernel_equals_dense(tokens, monkeypatch):
-    """impl="pallas_interpret" routes the pairs through the grouped expert kernel (few tokens: tiles
+    """The interpret route (Route.named("pallas_interpret")) routes the pairs through the grouped expert kernel (few tokens: tiles
     of 16 rows, prefill: 64): the same output as every expert on every token, weighted."""
     from infernix_jax.models import moe
     from pallas_kernels import grouped_matmul as gm
@@ -217,16 +220,16 @@ def test_moe_grouped_kernel_equals_dense(tokens, monkeypatch):
     x = jnp.asarray(rng.standard_normal((1, tokens, H)), jnp.float32)
     assert moe.grouped_route_ok(p, x.dtype)
     dense = moe.moe_mlp(x, p, k, True, "silu", gather=False)
-    grouped = moe.moe_mlp(x, p, k, True, "silu", impl="pallas_interpret")
+    grouped = moe.moe_mlp(x, p, k, True, "silu", route=INTERPRET)
     assert rel_err(grouped, np.asarray(dense)) < 1e-5
     assert tiles == [16 if tokens < 100 else 64] * 3                     # gate, up, down went through it
     tiles.clear()
-    one = moe.moe_mlp(x[:, :1], p, k, True, "silu", impl="pallas_interpret")
+    one = moe.moe_mlp(x[:, :1], p, k, True, "silu", route=INTERPRET)
     assert not tiles and rel_err(one, np.asarray(dense[:, :1])) < 1e-5   # 2 pairs < 8 / 2: the gather path
     odd = {**p, "e_gate": p["e_gate"][:, :24], "e_up": p["e_up"][:, :24], "e_down": p["e_down"][:, :, :24]}
     assert not moe.grouped_route_ok(odd, x.dtype)          # I = 24: the jnp paths take it
     tiles.clear()
-    assert rel_err(moe.moe_mlp(x, odd, k, True, "silu", impl="pallas_interpret"),
+    assert rel_err(moe.moe_mlp(x, odd, k, True, "silu", route=INTERPRET),
                    np.asarray(moe.moe_mlp(x, odd, k, True, "silu", gather=False))) < 1e-5
     assert not tiles
 

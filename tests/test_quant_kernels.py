@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from infernix_jax.quant.formats import FORMATS, quantize
+from infernix_jax.route import Route, use
 from pallas_kernels.quant_matmul import BlockSizes, kernel_args, quant_matmul, quant_matmul_reference, unsupported
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
@@ -21,6 +22,8 @@ CASES = [  # (M, N, K, block sizes): decode rows, odd row counts, K not a multip
     (1, 128, 512, BlockSizes(bm=16, bn=32, bk=256, split=2)),     # two int4 / fp8b groups per K step
 ]
 
+
+INTERPRET = Route.named("pallas_interpret")
 
 def weights(seed, shape):
     w = jax.random.t(jax.random.PRNGKey(seed), 5.0, shape) * 0.02     # heavy tails, as real weights
@@ -84,9 +87,10 @@ def test_unsupported_shapes_fall_back_to_the_reference():
     assert unsupported("int8", (100, 64), jnp.float32)           # N not a multiple of 16
     assert unsupported("int8", (4, 64, 64), jnp.float32)         # stacked experts
     assert unsupported("int8", (64, 64), jnp.bfloat16) is None
-    q = quantize(weights(7, (100, 64)), "int8").replace(impl="pallas_interpret")
+    q = quantize(weights(7, (100, 64)), "int8")
     x = jax.random.normal(jax.random.PRNGKey(8), (3, 64))
-    np.testing.assert_allclose(np.asarray(linear(x, q)), np.asarray(reference(x, q)), rtol=1e-5, atol=1e-6)
+    with use(INTERPRET):
+        np.testing.assert_allclose(np.asarray(linear(x, q)), np.asarray(reference(x, q)), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="cannot take this weight"):
         quant_matmul(x, kernel_args(q), "int8", q.shape, interpret=True)
 
@@ -97,7 +101,12 @@ def test_8bit_rows_take_the_kernel_xla_s_fused_gemm_or_dequantization(fmt):
     kernel for decode's rows, XLA's GEMM with the codes' conversion fused (no barrier, no kernel)
     between, dequantizing first past it; each within bf16's tolerance of the reference."""
     from infernix_jax.models import layers
-    q = quantize(weights(11, (192, 256)), fmt).replace(impl="pallas_interpret")
+    q = quantize(weights(11, (192, 256)), fmt)
+    with use(INTERPRET):
+        _three_routes(q, layers)
+
+
+def _three_routes(q, layers):
     lo, hi = layers.XLA_FUSED_ROWS
     for M, route in ((lo, "pallas_call"), (lo + 1, "fused"), (hi, "fused"), (hi + 1, "optimization_barrier")):
         x = jax.random.normal(jax.random.PRNGKey(M), (M, 256), jnp.float32).astype(jnp.bfloat16)

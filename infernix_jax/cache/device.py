@@ -86,7 +86,7 @@ def _from_bytes(b, like, escapes: int = 0):
 def _gather(kv: PagedKV, ids, whole=None):
     # k[j] [nKV, P, bs, hd] -> [n, L, nKV, bs, hd]; quantized: [n, L, nKV, R] bytes. whole: a
     # sharding the result is gathered into (several hosts: every process holds all of it)
-    if kv.kv_dtype:
+    if kv.k_scale:                 # a quantized pool (--kv-dtype): its blocks travel as bytes
         esc = lambda e, j: None if not e else e[j][:, ids]  # noqa: E731
         out = tuple(jnp.stack([_to_bytes(x[:, ids], s[:, ids], esc(e, j)) for j, (x, s) in enumerate(zip(a, sc))],
                               1).transpose(2, 1, 0, 3)
@@ -121,7 +121,7 @@ def read_blocks(kv: PagedKV, ids: list[int]) -> list:
 @partial(jax.jit, donate_argnames=("kv",))
 def _scatter(kv: PagedKV, k, v, rows, dst):
     # rows of k, v [n, L, nKV, bs, hd] -> layer j's [nKV, P, bs, hd] at blocks dst (past P: dropped)
-    if kv.kv_dtype:
+    if kv.k_scale:                 # a quantized pool (--kv-dtype): its blocks travel as bytes
         E = kv.k_esc[0].shape[-1] if kv.k_esc else 0
 
         def put_q(pool, scales, escs, new):

@@ -30,6 +30,7 @@ from ..cache.prefix_cache import PrefixCache
 from ..cache.ssd_tier import SSDTier
 from .scheduler import Scheduler
 from ..cache.snapshots import SnapshotStore
+from ..route import Route
 from .sequence import Sequence, Status
 from .stops import TextTracker
 
@@ -115,8 +116,9 @@ class Engine:
         if self.snapshots is not None:
             self.scheduler.on_release = lambda seq: self.snapshots.capture(seq, self.runner, self.bm)
         impl = c.attn_impl or ("pallas" if on_gpu else "reference")
-        self.runner = Runner(model, self.plan.num_blocks, block_size, impl, state_slots=max_num_seqs,
-                             max_context=self.max_context, kv_dtype=kv_dtype, parallel=parallel)
+        self.route = Route.named(impl, kv_dtype)       # how every step computes (route.py)
+        self.runner = Runner(model, self.plan.num_blocks, block_size, self.route, state_slots=max_num_seqs,
+                             max_context=self.max_context, parallel=parallel)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids

@@ -15,7 +15,7 @@ from ..cache import device
 from ..cache.snapshots import StateSnapshot
 from ..models.hybrid_paged import StateRows
 from ..models.kv_pool import PagedKV, init_paged_kv
-from ..quant.apply import with_impl
+from ..route import Route
 from .. import distributed, sharding
 from . import shapes, steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
@@ -42,20 +42,19 @@ _any = jax.jit(jnp.any)
 
 
 class Runner:
-    def __init__(self, model, num_blocks: int, block_size: int, attn_impl: str = "reference", state_slots: int = 0,
-                 max_context: int = 0, kv_dtype: str = "", parallel: sharding.Parallel | None = None):
+    def __init__(self, model, num_blocks: int, block_size: int, route: Route = Route(), state_slots: int = 0,
+                 max_context: int = 0, parallel: sharding.Parallel | None = None):
         # several devices: the weights and the KV pool split over a mesh (sharding.py), every step
         # traced and run on it; None or one device: nothing changes
         self.mesh = sharding.make_mesh(parallel) if parallel else None
         self.cfg = model.cfg
-        self.params = with_impl(model.params, attn_impl)     # quantized weights: the kernels of this impl
+        self.params = model.params
         if self.mesh is not None:
             self.params = sharding.shard_params(self.params, self.mesh, self.cfg)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.attn_impl = attn_impl
+        self.route = route           # every step's (route.py): kernels, KV format
         self.dtype = model.dtype
-        self.kv_dtype = kv_dtype
         self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
         self.max_prefill_rows = None   # hybrids: the scheduler's cap on rows feeding several tokens
         self.hybrid = bool(self.cfg.layer_types)
@@ -67,7 +66,7 @@ class Runner:
         # replays them (follow); all built the same engine first
         self.channel = distributed.Channel() if distributed.several() else None
         if self.channel is not None:
-            self.channel.agree((num_blocks, block_size, self.state_slots, kv_dtype, attn_impl, parallel,
+            self.channel.agree((num_blocks, block_size, self.state_slots, route, parallel,
                                 str(self.cfg)), "engine")
 
     # ---- device calls: each one runs here and, on several hosts, on every process ---------------
@@ -121,7 +120,7 @@ class Runner:
     def _op_score(self, tokens, start):
         tables = np.arange(self.num_blocks - 1, dtype=np.int32)[None]        # (the last block: spare)
         with sharding.use(self.mesh):
-            lp, self.kv = steps.prefill_logprobs(self.params, self.cfg, self.kv, tokens, tables, self.attn_impl, start)
+            lp, self.kv = steps.prefill_logprobs(self.params, self.cfg, self.kv, tokens, tables, self.route, start)
         return lp
 
     # ---- the prefix cache's device work (cache/device.py) ------------------------------------------
@@ -165,7 +164,7 @@ class Runner:
     def _op_reset_kv(self) -> None:
         self.kv: PagedKV = sharding.make_sharded(
             lambda: init_paged_kv(self.cfg, self.num_blocks, self.block_size, self.dtype, self.state_slots,
-                                  self.kv_dtype), sharding.kv_specs, self.mesh)
+                                  self.route.kv_dtype), sharding.kv_specs, self.mesh)
 
     def take_lost(self) -> set[int]:
         """--kv-dtype bf16p: the blocks a step could not pack losslessly (kv_bf16p), cleared as they
@@ -307,7 +306,7 @@ class Runner:
         multi = self._multi_rows(plan, B)
         self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, 0 if multi is None else len(multi)))
         out = self._device("mixed", tokens, positions, slots, bt, kv_lens, cu_q, logits_idx,
-                           st, sampling, attn_impl=self.attn_impl, want_top=True,
+                           st, sampling, route=self.route, want_top=True,
                            penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows, multi_rows=multi)
         out = jax.device_get(out)
         return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
@@ -326,7 +325,7 @@ class Runner:
     def _row_layout(self) -> bool:
         """Whether steps lay out their multi-token rows: hybrids (their state rows) and the reference
         attention (its cost); the kernels take any layout, so they keep one compiled form."""
-        return self.hybrid or self.attn_impl == "reference"
+        return self.hybrid or not self.route.pallas
 
     def _multi_rows(self, plan, B: int) -> np.ndarray | None:
         """The rows feeding several tokens [Bp] (padded with B; empty when none): hybrids' StateRows
@@ -351,7 +350,7 @@ class Runner:
         bt, pen = self._block_table(seqs, B), self._penalties(seqs, B)
         self.shapes.seen(shapes.decode(B, bt.shape[1], k, want_top, pen))
         out = self._device("decode", tokens, positions, bt, valid, st, sampling,
-                           num_steps=k, attn_impl=self.attn_impl, want_top=want_top,
+                           num_steps=k, route=self.route, want_top=want_top,
                            penalties=pen, guard=self._guard(seqs, B),
                            rows=self._state_rows([(s, 1) for s in seqs], B, B), **self._ends(seqs, B))
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
@@ -381,7 +380,7 @@ class Runner:
             zeros_b = np.zeros((B,), np.int32)
             op, args = "decode", (zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
                                   SamplingArrays.greedy(B))
-            kw = dict(num_steps=k, attn_impl=self.attn_impl, want_top=want_top,
+            kw = dict(num_steps=k, route=self.route, want_top=want_top,
                       penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
                       rows=self._padding_rows(B, B, 0), **self._ends([], B))
         else:
@@ -391,7 +390,7 @@ class Runner:
                                  np.full((N,), self.num_blocks * self.block_size, np.int32),
                                  np.zeros((B, M), np.int32), np.ones((B,), np.int32),
                                  np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, SamplingArrays.greedy(B))
-            kw = dict(attn_impl=self.attn_impl, want_top=True,
+            kw = dict(route=self.route, want_top=True,
                       penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size),
                       allowed=self._allowed([], B), guard=self._guard([], B), rows=self._padding_rows(B, N, Bp),
                       multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None)

@@ -1,5 +1,7 @@
 """The jitted entry points. Shapes reaching them are bucketed by the runner (see `bucket`), so the
-number of compilations stays small; the KV pool is donated so XLA updates it in place."""
+number of compilations stays small; the KV pool is donated so XLA updates it in place. Each takes
+the route (route.py: kernels, KV format) as one static argument and makes it current while it
+traces."""
 from __future__ import annotations
 
 from functools import partial
@@ -13,6 +15,7 @@ from ..models import forward
 from ..models.llama import KVCache, logits_from_hidden
 from ..models.kv_pool import PagedKV
 from ..models.paged import forward_paged
+from ..route import REFERENCE, Route, use
 from .sampler import Penalties, SamplingArrays, ThinkGuard, sample
 
 
@@ -24,9 +27,9 @@ def bucket(n: int, minimum: int = 16) -> int:
     return b
 
 
-@partial(jax.jit, static_argnames=("cfg", "attn_impl", "want_top"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "route", "want_top"), donate_argnames=("kv",))
 def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
-               logits_idx, steps, sampling: SamplingArrays, attn_impl: str = "reference", want_top: bool = False,
+               logits_idx, steps, sampling: SamplingArrays, route: Route = REFERENCE, want_top: bool = False,
                penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None, rows=None,
                multi_rows=None):
     """A ragged batch of prefill chunks and decodes. tokens/positions/slots [N]; block_tables [B, M];
@@ -35,16 +38,17 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
     rows: hybrids' StateRows (None otherwise). multi_rows [Bp]: the rows feeding several tokens
     (padded with B; None: any may): the reference attention gives only those the ragged layout.
     Returns the sampled token of every row (and logprobs), and the pool."""
-    h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, attn_impl, rows,
-                          multi_rows)
-    logits = logits_from_hidden(params, cfg, h[logits_idx])                      # [B, V]
+    with use(route):
+        h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, route, rows,
+                              multi_rows)
+        logits = logits_from_hidden(params, cfg, h[logits_idx])                  # [B, V]
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
     return replicated(sample(logits, steps, sampling, want_top, pen, allowed, guard)), kv
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "want_top"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "num_steps", "route", "want_top"), donate_argnames=("kv",))
 def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
-                 sampling: SamplingArrays, num_steps: int, attn_impl: str = "reference", want_top: bool = False,
+                 sampling: SamplingArrays, num_steps: int, route: Route = REFERENCE, want_top: bool = False,
                  penalties: Penalties | None = None, guard: ThinkGuard | None = None, rows=None,
                  stop_ids=None, remaining=None):
     """num_steps decode steps in one dispatch. tokens (each row's last sampled token), positions (its
@@ -72,7 +76,7 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
         r = rows
         if freeze:                     # an ended row's state slot is out of range: its writes are dropped
             r = rows.replace(dec_slot=jnp.where(alive, rows.dec_slot, kv.conv[0].shape[0]))
-        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, attn_impl, r)
+        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, kv_lens, None, route, r)
         pen = None if dense is None else (*dense, penalties)
         out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, pen, guard=guard)
         if guard is not None:
@@ -85,12 +89,13 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
             alive = alive & ~((out[0][:, None] == stop_ids).any(-1) | (j + 1 >= remaining))
         return (kv, out[0], pos + 1, st + 1, dense, guard, alive), out
 
-    (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard, valid), jnp.arange(num_steps))
+    with use(route):               # (scan traces `one` here)
+        (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard, valid), jnp.arange(num_steps))
     return replicated(outs), kv
 
 
-@partial(jax.jit, static_argnames=("cfg", "attn_impl"))
-def prefill_logprobs(params, cfg: ModelConfig, kv: PagedKV, tokens, block_tables, attn_impl: str = "reference",
+@partial(jax.jit, static_argnames=("cfg", "route"))
+def prefill_logprobs(params, cfg: ModelConfig, kv: PagedKV, tokens, block_tables, route: Route = REFERENCE,
                      start=0):
     """One sequence's tokens [T] at positions start .. start + T - 1 through the paged path, on top
     of the positions before start already in the pool (start = 0: a fresh pool; hybrids: state slot
@@ -104,9 +109,10 @@ def prefill_logprobs(params, cfg: ModelConfig, kv: PagedKV, tokens, block_tables
     one = lambda v: jnp.asarray([v], jnp.int32)  # noqa: E731
     rows = StateRows(one(T), one(1), jnp.zeros((1,), bool), jnp.arange(T, dtype=jnp.int32)[None], one(T), one(0),
                      (start == 0)[None]) if cfg.layer_types else None
-    h, kv = forward_paged(params, cfg, tokens, pos, slots, kv, block_tables, (start + T)[None],
-                          jnp.asarray([0, T], jnp.int32), attn_impl, rows)
-    return jax.nn.log_softmax(logits_from_hidden(params, cfg, h), axis=-1), kv
+    with use(route):
+        h, kv = forward_paged(params, cfg, tokens, pos, slots, kv, block_tables, (start + T)[None],
+                              jnp.asarray([0, T], jnp.int32), route, rows)
+        return jax.nn.log_softmax(logits_from_hidden(params, cfg, h), axis=-1), kv
 
 
 @partial(jax.jit, static_argnames=("cfg",))

@@ -42,7 +42,7 @@ def concat_rows(ws: list):
 
 def _concat_q(ws: list[QTensor]) -> QTensor | None:
     w0 = ws[0]
-    if len({(w.fmt, w.impl, w.shape[1:], len(w.more)) for w in ws}) > 1 or len(w0.shape) != 2:
+    if len({(w.fmt, w.shape[1:], len(w.more)) for w in ws}) > 1 or len(w0.shape) != 2:
         return None
     if w0.tensor_scale is not None:       # nvfp4: one scale over each whole part
         return None

@@ -16,6 +16,7 @@ from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_
 
 from ..config import ModelConfig
 from ..sharding import constrain
+from ..route import REFERENCE, Route
 from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
 from .llama import _write
 from .moe import moe_mlp
@@ -152,10 +153,10 @@ def _gated_deltanet(cfg: ModelConfig, p, x, conv_state, ssm_state):
     return gdn_output(cfg, p, o, z, x.dtype), conv_state, ssm_state
 
 
-def hybrid_mlp(cfg: ModelConfig, p, i: int, y, impl: str = "reference"):
+def hybrid_mlp(cfg: ModelConfig, p, i: int, y, route: Route = REFERENCE):
     if not cfg.is_moe_layer(i):
         return gated_mlp(y, p, cfg.hidden_act)
-    out = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, impl=impl)
+    out = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, route=route)
     if "s_down" in p:
         shared = gated_mlp(y, p, cfg.hidden_act, prefix="s")
         out = out + jax.nn.sigmoid(linear(y, p["s_router"])) * shared

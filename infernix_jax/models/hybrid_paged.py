@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..config import ModelConfig
+from ..route import Route
 from ..sharding import constrain
 from .hybrid import gated_attention, gdn_core, gdn_inputs, gdn_output, hybrid_mlp, rms_norm_1p
 from .kv_pool import PagedKV, paged_attend
@@ -41,12 +42,12 @@ class StateRows:
     pre_fresh: jax.Array | None = None
 
 
-def _gdn_fns(attn_impl: str):
+def _gdn_fns(route: Route):
     """(decode_fn, chunked_fn) for gdn_core: the Pallas kernels, or None for the jnp references."""
-    if attn_impl in ("pallas", "pallas_interpret"):
+    if route.pallas:
         from pallas_kernels.gated_deltanet_decode import gated_delta_rule_decode
         from pallas_kernels.gated_deltanet_prefill import gated_delta_rule_chunked_pallas
-        interpret = attn_impl == "pallas_interpret"
+        interpret = route.interpret
         return (partial(gated_delta_rule_decode, interpret=interpret),
                 partial(gated_delta_rule_chunked_pallas, interpret=interpret))
     return None, None
@@ -77,11 +78,11 @@ def _gdn_paged(cfg: ModelConfig, p, x, conv_pool, ssm_pool, rows: StateRows, fns
 
 
 def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
-                         cu_q, attn_impl: str, rows: StateRows, multi_rows=None):
+                         cu_q, route: Route, rows: StateRows, multi_rows=None):
     """models.paged.forward_paged for hybrids: tokens, positions, slots [N] -> hidden [N, H], the cache."""
     conv, ssm = list(kv.conv), list(kv.ssm)
-    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl, multi_rows)
-    fns = _gdn_fns(attn_impl)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, route, multi_rows)
+    fns = _gdn_fns(route)
     eps = cfg.rms_norm_eps
     x = constrain(params["embed"][tokens][None], "batch", "seq", "embed")   # [1, N, H]
     ia = il = 0
@@ -95,7 +96,7 @@ def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv:
                 h = gated_attention(cfg, p, h, positions[None], lambda q, k, v, j=ia: attend(j, q, k, v))
                 ia += 1
             x = x + h
-            x = x + hybrid_mlp(cfg, p, i, rms_norm_1p(x, p["mlp_norm"], eps), attn_impl)
+            x = x + hybrid_mlp(cfg, p, i, rms_norm_1p(x, p["mlp_norm"], eps), route)
             x = constrain(x, "batch", "seq", "embed")
     x = rms_norm_1p(x, params["final_norm"], eps)
     return x[0], kv.replace(**pools(), conv=tuple(conv), ssm=tuple(ssm))

@@ -17,6 +17,7 @@ from pallas_kernels import paged_attention as pa
 from .. import choices
 from ..config import ModelConfig
 from ..sharding import on_heads
+from ..route import Route
 
 
 @struct.dataclass
@@ -29,10 +30,10 @@ class PagedKV:
     conv: tuple = ()
     ssm: tuple = ()
     # --kv-dtype (pallas_kernels/kv_quant.py): k[j], v[j] hold codes, k_scale[j], v_scale[j]
-    # [nKV, P, bs] one f32 scale per head and token row; "" (the model dtype): no scales
+    # [nKV, P, bs] one f32 scale per head and token row; "" (the model dtype): no scales. Which
+    # format the codes are in is the step's route's (route.py: Route.kv_dtype), not the pool's
     k_scale: tuple = ()
     v_scale: tuple = ()
-    kv_dtype: str = struct.field(pytree_node=False, default="")
     # bf16p (pallas_kernels/kv_bf16p.py): k_scale / v_scale hold each row's base exponent, k_esc[j],
     # v_esc[j] [nKV, P, E] int32 each block's escapes; lost [P] bool marks blocks a write could not
     # pack (sticky until the engine reads and clears it: their requests fail)
@@ -89,14 +90,14 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
                               for _ in range(n_attn))
         rows = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(n_attn))          # noqa: E731
         esc = lambda: tuple(jnp.zeros((*shape[:2], kv_bf16p.ESCAPES), jnp.int32) for _ in range(n_attn))  # noqa: E731
-        return PagedKV(k=pools(), v=pools(), conv=conv, ssm=ssm, k_scale=rows(), v_scale=rows(), kv_dtype=kv_dtype,
+        return PagedKV(k=pools(), v=pools(), conv=conv, ssm=ssm, k_scale=rows(), v_scale=rows(),
                        k_esc=esc(), v_esc=esc(), lost=jnp.zeros((num_blocks,), bool))
     if kv_dtype:
         fk, fv = KV_DTYPES[kv_dtype]
         pool = lambda f: jnp.zeros((*shape[:3], kq.code_dims(f, shape[3])), kq.code_dtype(f))  # noqa: E731
         scales = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(n_attn))      # noqa: E731
         return PagedKV(k=tuple(pool(fk) for _ in range(n_attn)), v=tuple(pool(fv) for _ in range(n_attn)),
-                       conv=conv, ssm=ssm, k_scale=scales(), v_scale=scales(), kv_dtype=kv_dtype)
+                       conv=conv, ssm=ssm, k_scale=scales(), v_scale=scales())
     return PagedKV(k=tuple(jnp.zeros(shape, dtype) for _ in range(n_attn)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(n_attn)), conv=conv, ssm=ssm)
 
@@ -131,37 +132,38 @@ def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
                        for s, d in state_shapes(cfg, 1, dtype))
 
 
-def _attention_fns(impl: str):
-    if impl in ("pallas", "pallas_interpret"):
+def _attention_fns(route: Route):
+    if route.pallas:
         from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk
-        interpret = impl == "pallas_interpret"
+        interpret = route.interpret
         # on a mesh each device runs the kernels on its own heads (a Pallas call is not split by XLA)
         return (on_heads(partial(pdk.paged_decode_attention, interpret=interpret)),
                 on_heads(partial(rpk.ragged_paged_attention, interpret=interpret)))
     return pa.paged_decode_attention_reference, pa.ragged_paged_attention_reference
 
 
-def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, attn_impl: str, multi_rows=None):
+def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, route: Route, multi_rows=None):
     """-> (attend, pools): attend(j, q, k, v) writes attention layer j's k/v [1, N, nKV, hd] into the
-    pool at their slots and attends q [1, N, nH, hd] (ragged with cu_q, one token per row without);
+    pool (of the route's KV format) at their slots and attends q [1, N, nH, hd] (ragged with cu_q,
+    one token per row without), with the route's kernels;
     pools() gives the updated k, v (and scales) as PagedKV fields. multi_rows: see
     ragged_paged_attention_reference (the kernels need no such hint)."""
-    decode_fn, ragged_fn = _attention_fns(attn_impl)
+    decode_fn, ragged_fn = _attention_fns(route)
     if multi_rows is not None and ragged_fn is pa.ragged_paged_attention_reference:
         ragged_fn = partial(ragged_fn, multi_rows=multi_rows)
     k_pool, v_pool, k_scale, v_scale = list(kv.k), list(kv.v), list(kv.k_scale), list(kv.v_scale)
     k_esc, v_esc, lost = list(kv.k_esc), list(kv.v_esc), [kv.lost]
 
     def attend(j, q, k, v):
-        if kv.kv_dtype == "bf16p":
+        if route.kv_dtype == "bf16p":
             k_pool[j], k_scale[j], k_esc[j], lk = kv_bf16p.write(k_pool[j], k_scale[j], k_esc[j], k[0], slots)
             v_pool[j], v_scale[j], v_esc[j], lv = kv_bf16p.write(v_pool[j], v_scale[j], v_esc[j], v[0], slots)
             bs = k_pool[j].shape[2]
             lost[0] = lost[0].at[slots // bs].max(lk | lv, mode="drop")
             extra = dict(k_scale=k_scale[j], v_scale=v_scale[j], k_esc=k_esc[j], v_esc=v_esc[j],
                          fmts=("bf16p", "bf16p"))
-        elif kv.kv_dtype:
-            fk, fv = KV_DTYPES[kv.kv_dtype]
+        elif route.kv_dtype:
+            fk, fv = KV_DTYPES[route.kv_dtype]
             k_pool[j], k_scale[j] = kq.write(k_pool[j], k_scale[j], k[0], slots, fk)
             v_pool[j], v_scale[j] = kq.write(v_pool[j], v_scale[j], v[0], slots, fv)
             extra = dict(k_scale=k_scale[j], v_scale=v_scale[j], fmts=(fk, fv))

@@ -10,6 +10,7 @@ from pallas_kernels import quant_matmul as qmm
 
 from ..quant.formats import QTensor, dequantize
 from ..quant.packed import Packed12, unpack
+from ..route import current
 from ..sharding import active, constrain, local_shape, split_product
 from .fuse import BIAS, FUSED, split_rows
 
@@ -73,23 +74,25 @@ def _after(w, x):
 
 def linear(x, w, b=None):
     """x [..., in] @ w[out, in]^T (+ b): weights stay in the checkpoints' [out, in] layout. A
-    quantized w (--weights) goes through the fused dequantizing kernel where its impl asks for it,
-    the rows are few and the kernel takes its shape; else it is dequantized first."""
+    quantized w (--weights) goes through the fused dequantizing kernel where the current route
+    (route.py: the step's) runs the Pallas kernels, the rows are few and the kernel takes its shape;
+    else it is dequantized first."""
     if isinstance(w, QTensor):
+        route = current()
         rows = math.prod(x.shape[:-1])
         lo, hi = XLA_FUSED_ROWS
         # on a mesh the kernel runs on each device's shard (split_product) where the weight is split
         # alike in all its arrays; else XLA's routes, which XLA splits like any product (a Pallas call
         # it would run whole on every device, gathering the weight)
-        kernel = w.impl != "reference" and rows <= KERNEL_MAX_ROWS and (not active() or bool(w.split)) \
+        kernel = route.pallas and rows <= KERNEL_MAX_ROWS and (not active() or bool(w.split)) \
             and qmm.unsupported(w.fmt, local_shape(w), x.dtype) is None
-        if w.fmt in XLA_FUSED_FORMATS and w.impl != "reference" and x.dtype != jnp.float32 and rows <= hi \
+        if w.fmt in XLA_FUSED_FORMATS and route.pallas and x.dtype != jnp.float32 and rows <= hi \
                 and (lo < rows or not kernel):
             y = jnp.einsum("...i,oi->...o", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
             y = (y * w.scale.reshape(-1)).astype(x.dtype)                  # [..., out]
             return y if b is None else y + b
         if kernel:
-            interpret = w.impl == "pallas_interpret"
+            interpret = route.interpret
             mm = lambda x, w: qmm.quant_matmul(x, qmm.kernel_args(w), w.fmt, w.shape, interpret=interpret)  # noqa: E731
             x2 = x.reshape(-1, x.shape[-1])
             y = split_product(mm, x2, w) if active() else mm(x2, w)

@@ -11,6 +11,7 @@ from flax import struct
 
 from ..config import ModelConfig
 from ..sharding import constrain
+from ..route import REFERENCE, Route
 from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
 from .moe import moe_mlp
 
@@ -54,10 +55,10 @@ def _attn_block(cfg: ModelConfig, p, x, cos, sin, attend):
     return linear(o.reshape(B, T, -1), p["wo"], p.get("bo"))
 
 
-def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer, impl: str = "reference"):
+def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer, route: Route = REFERENCE):
     """The decoder stack, generic over where K/V live. tokens, positions [B, T] int32;
-    attend_layer(i, q, k, v) stores layer i's new k/v and returns attention output; impl: the
-    kernels' route for MoE experts ("pallas": the grouped expert kernel, see moe.py).
+    attend_layer(i, q, k, v) stores layer i's new k/v and returns attention output; route: the
+    step's (route.py; MoE experts: the grouped expert kernel on the Pallas route, see moe.py).
     Returns the final hidden states [B, T, H] (after the final norm)."""
     x = constrain(params["embed"][tokens], "batch", "seq", "embed")   # [B, T, H]
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
@@ -67,7 +68,7 @@ def decoder(params, cfg: ModelConfig, tokens, positions, attend_layer, impl: str
                                 lambda q, k, v, i=i: attend_layer(i, q, k, v))
             y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             if cfg.is_moe_layer(i):
-                y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, impl=impl)
+                y = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, route=route)
             else:
                 y = gated_mlp(y, p, cfg.hidden_act)
             x = constrain(x + y, "batch", "seq", "embed")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..sharding import active
+from ..route import REFERENCE, Route
 from .layers import activation, linear
 
 
@@ -30,7 +31,7 @@ def _top_k(x, router_w, top_k: int, norm_topk_prob: bool):
     return w.astype(x.dtype), idx
 
 
-def route(x, router_w, top_k: int, norm_topk_prob: bool):
+def combine_weights(x, router_w, top_k: int, norm_topk_prob: bool):
     """x [N, H] -> combine weights [N, E] (zero outside each token's top-k), in x.dtype."""
     w, idx = _top_k(x, router_w, top_k, norm_topk_prob)
     onehot = jax.nn.one_hot(idx, router_w.shape[0], dtype=x.dtype)     # [N, k, E]
@@ -88,28 +89,28 @@ def _grouped_moe(xf, p, top_k: int, norm_topk_prob: bool, act: str, interpret: b
 
 
 def moe_mlp(x, p, top_k: int, norm_topk_prob: bool, act: str, gather: bool | None = None,
-            impl: str = "reference"):
+            route: Route = REFERENCE):
     """x [B, T, H]; p holds router [E, H], e_gate/e_up [E, I, H], e_down [E, H, I] (arrays or
-    quantized QTensors). impl "pallas" / "pallas_interpret": the grouped expert kernel where it
-    takes the experts' shapes. gather: None picks by the (static) token count; True/False force a
+    quantized QTensors). A route of the Pallas kernels (route.py): the grouped expert kernel where
+    it takes the experts' shapes. gather: None picks by the (static) token count; True/False force a
     jnp path (tests)."""
     B, T, H = x.shape
     E = p["router"].shape[0]
     xf = x.reshape(B * T, H)
     dt = x.dtype
-    if impl in ("pallas", "pallas_interpret") and gather is None and grouped_route_ok(p, dt) \
+    if route.pallas and gather is None and grouped_route_ok(p, dt) \
             and 2 * B * T * top_k >= E and not active():          # (on a mesh: the jnp paths, which XLA splits)
         # the kernel from half as many pairs as experts: on the H200 (qwen3-30b-a3b's layer) it was
         # 1.65x faster than the gather path at 8 tokens (64 pairs, 128 experts) but 0.4x at one and
         # 0.8x at two, and 0.28x at one with fp8 experts (docs/benchmarks.md "Grouped expert kernel")
-        return _grouped_moe(xf, p, top_k, norm_topk_prob, act, impl == "pallas_interpret").reshape(B, T, H)
+        return _grouped_moe(xf, p, top_k, norm_topk_prob, act, route.interpret).reshape(B, T, H)
     if gather if gather is not None else B * T * top_k <= E:
         w, idx = _top_k(xf, p["router"], top_k, norm_topk_prob)                # [N, k]
         g = activation(act)(jnp.einsum("nh,nkih->nki", xf, experts(p["e_gate"], idx, dt)))  # [N, k, I]
         h = g * jnp.einsum("nh,nkih->nki", xf, experts(p["e_up"], idx, dt))
         out = jnp.einsum("nki,nkhi,nk->nh", h, experts(p["e_down"], idx, dt), w)
         return out.reshape(B, T, H)
-    comb = route(xf, p["router"], top_k, norm_topk_prob)                       # [N, E]
+    comb = combine_weights(xf, p["router"], top_k, norm_topk_prob)                       # [N, E]
     h = activation(act)(jnp.einsum("nh,eih->nei", xf, experts(p["e_gate"], dtype=dt))) \
         * jnp.einsum("nh,eih->nei", xf, experts(p["e_up"], dtype=dt))
     out = jnp.einsum("nei,ehi,ne->nh", h, experts(p["e_down"], dtype=dt), comb)

@@ -4,22 +4,23 @@ Qwen3.5) go to hybrid_paged.py, which also keeps their state pool."""
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..route import REFERENCE, Route
 from .hybrid_paged import hybrid_forward_paged
 from .kv_pool import PagedKV, paged_attend
 from .llama import decoder
 
 
 def forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
-                  cu_q=None, attn_impl: str = "reference", rows=None, multi_rows=None):
+                  cu_q=None, route: Route = REFERENCE, rows=None, multi_rows=None):
     """tokens, positions, slots [N]. With cu_q [B + 1] the tokens form a ragged batch (prefill
     chunks and decodes); without it there is one token per sequence (N == B, decode).
     K/V of every token are written at its slot before attending. Hybrids take `rows`
     (hybrid_paged.StateRows: where each row's tokens and state are). multi_rows [Bp]: the rows that
     feed several tokens (padded with B; None: any may), for the reference attention's cost.
-    Returns hidden [N, H], the pool."""
+    route: the step's (route.py: kernels, KV format). Returns hidden [N, H], the pool."""
     if cfg.layer_types:
         return hybrid_forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q,
-                                    attn_impl, rows, multi_rows)
-    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, attn_impl, multi_rows)
-    h = decoder(params, cfg, tokens[None], positions[None], attend, impl=attn_impl)
+                                    route, rows, multi_rows)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, route, multi_rows)
+    h = decoder(params, cfg, tokens[None], positions[None], attend, route=route)
     return h[0], kv.replace(**pools())

@@ -59,13 +59,6 @@ def quantize_params(params: dict, fmt: str, progress: bool = True, in_place: boo
     return map_layers(params, lambda p: quantize_layer(p, fmt), in_place, bar)
 
 
-def with_impl(params: dict, impl: str) -> dict:
-    """params with every QTensor multiplied by `impl` (see QTensor.impl); the arrays are shared."""
-    impl = impl if impl in ("pallas", "pallas_interpret") else "reference"
-    return jax.tree.map(lambda a: a.replace(impl=impl) if isinstance(a, QTensor) else a, params,
-                        is_leaf=lambda a: isinstance(a, QTensor))
-
-
 def planned_bytes(abstract: dict, itemsize: int, fmt: str = "", sizes: dict | None = None,
                   units: dict | None = None) -> int:
     """Device bytes of a model's weights (abstract shapes) with its projections in format fmt; with

@@ -47,9 +47,6 @@ class QTensor:
     tensor_scale: jax.Array | None
     fmt: str = struct.field(pytree_node=False)
     shape: tuple = struct.field(pytree_node=False)      # of the dequantized matrix
-    # how layers.linear multiplies by it: "reference" (dequantize, then XLA's dot), "pallas" (the
-    # fused kernel, pallas_kernels/quant_matmul.py) or "pallas_interpret" (the same on the CPU)
-    impl: str = struct.field(pytree_node=False, default="reference")
     # the GGUF block formats' further arrays (quant/ggml.py; pallas_kernels/ggml_blocks.LAYOUT)
     more: tuple = ()
     # on several devices (sharding.py): the mesh axis each of [O, I] is split over, every array split
