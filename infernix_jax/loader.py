@@ -136,9 +136,9 @@ def load_config(spec: str) -> ModelConfig:
 
 
 def _projections(specs: dict) -> list:
-    """The specs of the matrices --weights quantizes (quant.apply.QUANTIZABLE and the routed MoE
+    """The specs of the matrices --weights quantizes (models/roles.py: QUANTIZABLE and the routed MoE
     experts' stacks), layer by layer."""
-    from .quant.apply import EXPERTS, QUANTIZABLE
+    from .models.roles import EXPERTS, QUANTIZABLE
     return [p[n] for p in specs["layers"] for n in sorted((QUANTIZABLE | EXPERTS) & p.keys())]
 
 

@@ -29,23 +29,8 @@ RULES = {
     "experts": EXPERT,
 }
 
-# the logical axes of each weight ([out, in] matrices as the checkpoints store them); names not
-# listed (norms, routers, small per-head vectors, Gated DeltaNet's projections) are replicated
-PARAM_AXES = {
-    "embed": ("vocab", "embed"), "lm_head": ("vocab", "embed"),
-    "wq": ("heads", "embed"), "wk": ("kv_heads", "embed"), "wv": ("kv_heads", "embed"),
-    "wo": ("embed", "heads"),
-    "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
-    "w_gate": ("ffn", "embed"), "w_up": ("ffn", "embed"), "w_down": ("embed", "ffn"),
-    "s_gate": ("ffn", "embed"), "s_up": ("ffn", "embed"), "s_down": ("embed", "ffn"),
-    "e_gate": ("experts", "ffn", "embed"), "e_up": ("experts", "ffn", "embed"),
-    "e_down": ("experts", "embed", "ffn"),
-}
-
-# the loader's fused matrices (models/fuse.py) put parts side by side along the output axis: an
-# even split over devices would not split each part. Tensor parallelism loads them apart.
-FUSED_NAMES = ("wqkv", "w_gate_up", "s_gate_up")
-
+# the logical axes of each weight: its role (models/roles.py); weights without axes (norms, routers,
+# Gated DeltaNet's projections) are replicated
 # KV pool arrays: [nKV, P, bs, hd'] pools, [nKV, P, bs] scales / row bases, [nKV, P, E] escapes
 KV_AXES = ("kv_heads", None, None, None)
 
@@ -166,7 +151,8 @@ def use(mesh: Mesh | None):
 
 def weight_axes(name: str, ndim: int) -> tuple:
     """The logical axes of weight `name` with ndim dimensions (replicated if unlisted)."""
-    if name in FUSED_NAMES:
+    from .models.roles import FUSED, PARAM_AXES        # (here: the models package imports this module)
+    if name in FUSED:
         raise ValueError(f"{name} is a fused matrix (models/fuse.py): load the model with fuse=False for "
                          f"tensor parallelism")
     axes = PARAM_AXES.get(name, ())
@@ -327,5 +313,5 @@ def bytes_per_device(tree, specs, mesh) -> int:
     return total
 
 
-__all__ = ["EXPERT", "KV_AXES", "PARAM_AXES", "Parallel", "RULES", "TENSOR", "active", "bytes_per_device", "constrain",
+__all__ = ["EXPERT", "KV_AXES", "Parallel", "RULES", "TENSOR", "active", "bytes_per_device", "constrain",
            "kv_specs", "make_mesh", "make_sharded", "on_heads", "place", "placer", "local_shape", "replicated", "split_product", "param_specs", "shard_params", "spec", "split_factor", "units_of", "use", "weight_axes"]

@@ -59,7 +59,7 @@ def prefill_flops(cfg, n: int) -> float:
 def gguf_blocks(params: dict, fmt: str) -> dict:
     """params with the projections as random GGUF blocks of type fmt (--weights q4_k, ...: nothing
     quantizes to those types; speed does not depend on the values)."""
-    from infernix_jax.quant.apply import QUANTIZABLE
+    from infernix_jax.models.roles import QUANTIZABLE
     from scripts.bench_quant import quantized
     layers = [{k: quantized(v, fmt, i) if k in QUANTIZABLE else v for k, v in p.items()}
               for i, p in enumerate(params["layers"])]

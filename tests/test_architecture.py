@@ -159,3 +159,33 @@ def test_only_the_runner_calls_the_device():
                and m not in (RUNNER, *DEVICE_MODULES)
                and (used := _device_callers(m, p.read_text(), p.name == "__init__.py", fns))}
     assert callers == {}
+
+
+# ---- every weight declared once -------------------------------------------------------------------
+def test_every_declared_weight_has_one_role():
+    """models/roles.py says what each weight is (axes, quantized, fused); every weight any preset
+    declares (with biases, MTP layers and an untied head too) has a role there, and the tables the
+    engine reads are derived from it."""
+    import dataclasses
+    from infernix_jax.config import PRESETS
+    from infernix_jax.models.params import declare_params
+    from infernix_jax.models.roles import BIAS, FUSED, PARAM_AXES, QUANTIZABLE, ROLES
+    names, families = set(), set()
+
+    def walk(tree):
+        for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+            if isinstance(v, (dict, list)):
+                walk(v)
+            else:
+                names.add(k)
+    for cfg in PRESETS.values():
+        families.add(cfg.family)
+        for extra in ({}, {"qkv_bias": True, "o_bias": True, "qk_norm": True, "mtp_layers": 1,
+                           "tie_word_embeddings": False}):
+            walk(declare_params(dataclasses.replace(cfg, **extra)))
+    assert {"llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"} <= families
+    assert names - ROLES.keys() == set()
+    assert FUSED == {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"), "s_gate_up": ("s_gate", "s_up")}
+    assert BIAS == {"wqkv": ("bqkv", ("bq", "bk", "bv"))}
+    assert {"wq", "wqkv", "lin_qkv", "w_down"} <= QUANTIZABLE and not {"embed", "router", "attn_norm"} & QUANTIZABLE
+    assert PARAM_AXES["wk"] == ("kv_heads", "embed") and "lin_qkv" not in PARAM_AXES

@@ -23,9 +23,7 @@ from ..quant.apply import map_layers
 from ..quant.formats import QTensor
 from ..quant.packed import Packed12
 
-# fused name -> the parts, in row order; a fused weight's bias (fused with it, or not at all)
-FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"), "s_gate_up": ("s_gate", "s_up")}
-BIAS = {"wqkv": ("bqkv", ("bq", "bk", "bv"))}
+from .roles import BIAS, FUSED        # the groups (declared with each weight's role)
 
 
 def concat_rows(ws: list):
@@ -103,4 +101,4 @@ def split_rows(y, sizes: tuple):
     return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)
 
 
-__all__ = ["BIAS", "FUSED", "concat_rows", "fuse_layer", "fuse_params", "split_rows"]
+__all__ = ["concat_rows", "fuse_layer", "fuse_params", "split_rows"]

@@ -12,7 +12,8 @@ from ..quant.formats import QTensor, dequantize
 from ..quant.packed import Packed12, unpack
 from ..route import current
 from ..sharding import active, constrain, local_shape, split_product
-from .fuse import BIAS, FUSED, split_rows
+from .fuse import split_rows
+from .roles import BIAS, FUSED
 
 _ACT = {
     "silu": jax.nn.silu,

@@ -12,24 +12,17 @@ from tqdm import tqdm
 from .formats import QTensor, nominal_bits, quantize
 from .packed import Packed12, pack
 
-# the weights models/layers.linear multiplies by ([out, in] matrices)
-QUANTIZABLE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
-                         "wqkv", "w_gate_up", "s_gate_up",      # fused (models/fuse.py; a fused model given to quantize_params)
-                         "lin_qkvz", "lin_ba", "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out"})
-
-# routed experts [E, O, I] (models/moe.py)
-EXPERTS = frozenset({"e_gate", "e_up", "e_down"})
-
 _quantize = jax.jit(quantize, static_argnums=1)
 
 
 def quantized_names(p: dict, fmt: str) -> set:
-    """The weights of one layer's params that format fmt quantizes."""
+    """The weights of one layer's params that format fmt quantizes (their roles: models/roles.py)."""
+    from ..models.roles import EXPERTS, QUANTIZABLE      # (here: the models package imports this module)
     return (QUANTIZABLE | (EXPERTS if fmt != "bf16p" else frozenset())) & p.keys()
 
 
 def quantize_layer(p: dict, fmt: str) -> dict:
-    """A copy of one layer's params with its QUANTIZABLE matrices (and routed experts) in format
+    """A copy of one layer's params with its quantizable matrices (and routed experts) in format
     fmt (bf16p: the matrices packed)."""
     q = dict(p)
     for name in quantized_names(q, fmt):
@@ -51,7 +44,7 @@ def map_layers(params: dict, fn, in_place: bool, progress=lambda it: it) -> dict
 
 
 def quantize_params(params: dict, fmt: str, progress: bool = True, in_place: bool = False) -> dict:
-    """params with each layer's QUANTIZABLE matrices in format fmt, one layer at a time. in_place
+    """params with each layer's quantizable matrices in format fmt, one layer at a time. in_place
     (the loader's): each layer replaced as it is quantized, so the peak is one layer's worth of
     both forms; else a copy beside the original."""
     what = "packing weights to 12 bits (bf16p)" if fmt == "bf16p" else f"quantizing weights to {fmt}"
