@@ -22,7 +22,7 @@ from infernix_jax import sharding
 from infernix_jax.config import PRESETS
 from infernix_jax.engine import steps
 from infernix_jax.engine.sampler import SamplingArrays
-from infernix_jax.models.hybrid_paged import StateRows
+from infernix_jax.models.qwen3_5 import StateRows
 from infernix_jax.models.kv_pool import KV_DTYPES, init_paged_kv, kv_bytes_per_token, num_attention_layers, state_bytes_per_seq
 from infernix_jax.engine.plan import params_bytes
 from infernix_jax.models.fuse import fuse_params

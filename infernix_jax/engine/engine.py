@@ -168,7 +168,7 @@ class Engine:
             k_shape, v_shape, block_dtype = host_block_layout(cfg, bs, self.model.dtype, self.kv_dtype)
             layout = None
             if self.hybrid:             # one snapshot: conv and ssm of each linear layer
-                from ..models.hybrid import state_shapes
+                from ..models.qwen3_5 import state_shapes
                 (cs, cd), (ss, sd) = state_shapes(cfg, 1, self.model.dtype)
                 n_lin = cfg.num_layers - num_attention_layers(cfg)
                 layout = ([(cs[1:], cd)] * n_lin, [(ss[1:], sd)] * n_lin)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..cache import device
 from ..cache.snapshots import StateSnapshot
-from ..models.hybrid_paged import StateRows
+from ..models.qwen3_5 import StateRows
 from ..models.kv_pool import PagedKV, init_paged_kv
 from ..route import Route
 from .. import distributed, sharding

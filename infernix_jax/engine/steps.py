@@ -101,7 +101,7 @@ def prefill_logprobs(params, cfg: ModelConfig, kv: PagedKV, tokens, block_tables
     of the positions before start already in the pool (start = 0: a fresh pool; hybrids: state slot
     0, carried from the previous piece). block_tables [1, M] -> (log-probabilities [T, V] f32 of
     the next token, the pool): a text scored in pieces of a few rows runs the kernels decode runs."""
-    from ..models.hybrid_paged import StateRows
+    from ..models.qwen3_5 import StateRows
     T, bs = tokens.shape[0], kv.block_size
     start = jnp.asarray(start, jnp.int32)
     pos = start + jnp.arange(T, dtype=jnp.int32)

@@ -1,7 +1,7 @@
 """The device KV pool the paged forwards read and write: its layout (PagedKV: one K and V pool per
 attention layer, optional quantized codes and scales, the hybrids' state pools), its sizes in bytes,
 and `paged_attend`, which writes a layer's K/V at their slots and attends over the pool. Both
-forwards (paged.py for the decoder, hybrid_paged.py for hybrids) build on it."""
+forwards (llama/paged.py, qwen3_5/paged.py) build on it."""
 from __future__ import annotations
 
 import math
@@ -80,7 +80,7 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
         kv_bf16p.check_block(block_size, cfg.head_dim)
     conv, ssm = (), ()
     if cfg.layer_types:
-        from .hybrid import state_shapes
+        from .qwen3_5.model import state_shapes
         (cs, cd), (ss, sd) = state_shapes(cfg, state_slots, dtype)
         n_lin = cfg.num_layers - n_attn
         conv = tuple(jnp.zeros(cs, cd) for _ in range(n_lin))
@@ -126,7 +126,7 @@ def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
     """Hybrids: the conv and SSM states of one sequence over all linear layers (0 otherwise)."""
     if not cfg.layer_types:
         return 0
-    from .hybrid import state_shapes
+    from .qwen3_5.model import state_shapes
     n_lin = cfg.num_layers - num_attention_layers(cfg)
     return n_lin * sum(math.prod(s) * jnp.dtype(d).itemsize
                        for s, d in state_shapes(cfg, 1, dtype))

@@ -144,3 +144,9 @@ def attention(q, k_cache, v_cache, q_pos, kv_len=None):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)
     return out.reshape(B, T, nH, hd)
+
+
+def write_cache(cache_l, new, positions):
+    """cache_l [B, S, nKV, hd] <- new [B, T, nKV, hd] at slots positions [B, T]."""
+    b = jnp.arange(new.shape[0])[:, None]
+    return cache_l.at[b, positions].set(new.astype(cache_l.dtype), mode="drop")

@@ -1,58 +1,16 @@
-"""Weights declared once per family: shape, init and the names they have in HF checkpoints and GGUF
-files. Loading, random init and abstract shapes all come from `declare_params`."""
+"""Weights declared once: shape, init and the names they have in HF checkpoints and GGUF files
+(spec.py), for the decoder every family shares (embeddings, attention, MLP, MoE experts, norms),
+with each family's own layers from its package (qwen3_5/params.py: Gated DeltaNet). Loading, random
+init and abstract shapes all come from `declare_params`; what each weight is (axes, quantized,
+fused) from roles.py."""
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    init: str                      # "normal" | "ones" | "zeros"
-    hf: str                        # safetensors name; "{e}" marks a per-expert name to stack
-    gguf: str                      # GGUF tensor name
-    hf_fused: tuple[str, int] | None = None   # (fused name, chunk index along dim -2)
-    gguf_permute_heads: int = 0    # llama GGUF: undo the interleaved-RoPE row order of q/k
-    gguf_fix: tuple = ()           # steps undoing llama.cpp's conversion (weights/gguf_fixes.py)
-
-
-def _linear_attn_specs(cfg: ModelConfig, hf: str, gg: str) -> dict[str, ParamSpec]:
-    """Gated DeltaNet weights (Qwen3-Next: grouped qkvz / ba projections; Qwen3.5: separate ones).
-    GGUF (llama.cpp's converter, MODELS.md section 8): ssm_a = -exp(A_log), conv squeezed, Qwen3-Next's
-    qkvz split into attn_qkv + attn_gate, and for Qwen3.5 the value heads in tiled order."""
-    H, K = cfg.hidden_size, cfg.lin_conv_kernel
-    Hk, dk, dv = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_dim
-    key_dim, value_dim, Hv = Hk * dk, cfg.lin_v_heads * dv, cfg.lin_v_heads
-    r = Hv // Hk
-    # Qwen3.5 files hold value heads tiled (h' = i * Hk + g for HF head g * r + i); Qwen3-Next's grouped
-    untile = () if cfg.lin_grouped_proj or r == 1 else (Hk, r)
-    rows = lambda off, d: (("untile_rows", off, *untile, d),) if untile else ()  # noqa: E731
-    la = hf + "linear_attn."
-    s = {"lin_conv": ParamSpec((2 * key_dim + value_dim, 1, K), "normal", la + "conv1d.weight",
-                               gg + "ssm_conv1d.weight", gguf_fix=rows(2 * key_dim, dv)),
-         "lin_A_log": ParamSpec((Hv,), "normal", la + "A_log", gg + "ssm_a", gguf_fix=(("a_log",), *rows(0, 1))),
-         "lin_dt_bias": ParamSpec((Hv,), "ones", la + "dt_bias", gg + "ssm_dt.bias", gguf_fix=rows(0, 1)),
-         "lin_norm": ParamSpec((dv,), "ones", la + "norm.weight", gg + "ssm_norm.weight"),
-         "lin_out": ParamSpec((H, value_dim), "normal", la + "out_proj.weight", gg + "ssm_out.weight",
-                              gguf_fix=(("untile_cols", *untile, dv),) if untile else ())}
-    if cfg.lin_grouped_proj:
-        s["lin_qkvz"] = ParamSpec((2 * key_dim + 2 * value_dim, H), "normal", la + "in_proj_qkvz.weight",
-                                  gg + "attn_qkv.weight", gguf_fix=(("qkvz", gg + "attn_gate.weight", Hk, dk, r * dv),))
-        s["lin_ba"] = ParamSpec((2 * Hv, H), "normal", la + "in_proj_ba.weight", gg + "ssm_ba.weight")
-    else:
-        s["lin_qkv"] = ParamSpec((2 * key_dim + value_dim, H), "normal", la + "in_proj_qkv.weight",
-                                 gg + "attn_qkv.weight", gguf_fix=rows(2 * key_dim, dv))
-        s["lin_z"] = ParamSpec((value_dim, H), "normal", la + "in_proj_z.weight", gg + "attn_gate.weight",
-                               gguf_fix=rows(0, dv))
-        s["lin_b"] = ParamSpec((Hv, H), "normal", la + "in_proj_b.weight", gg + "ssm_beta.weight", gguf_fix=rows(0, 1))
-        s["lin_a"] = ParamSpec((Hv, H), "normal", la + "in_proj_a.weight", gg + "ssm_alpha.weight",
-                               gguf_fix=rows(0, 1))
-    return s
+from .qwen3_5.params import linear_attn_specs
+from .spec import ParamSpec
 
 
 def _norm(cfg: ModelConfig, shape, hf: str, gg: str) -> ParamSpec:
@@ -74,7 +32,7 @@ def _layer_specs(cfg: ModelConfig, i: int, hf: str | None = None) -> dict[str, P
                           gg + ("post_attention_norm.weight" if cfg.layer_types else "ffn_norm.weight")),
     }
     if cfg.is_linear_layer(i) and not mtp:
-        s.update(_linear_attn_specs(cfg, hf, gg))
+        s.update(linear_attn_specs(cfg, hf, gg))
     else:
         s.update(_attn_specs(cfg, hf, gg))
     s.update(_mlp_specs(cfg, i, hf, gg, moe=cfg.num_experts > 0 if mtp else None))

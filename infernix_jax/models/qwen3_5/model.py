@@ -2,10 +2,10 @@
 recurrence with a fixed-size state per sequence) and gated full-attention layers with partial RoPE.
 Equations, weight layouts and cache shapes: ../shared/MODELS.md sections 3-6.
 
-This module holds the layers and the contiguous-cache forward (tests, scoring); `hybrid_paged.py`
-runs the same layers over the engine's paged KV and state pool. Per sequence the cache holds, for each linear layer, the conv
-state (the last K-1 pre-conv rows) and the SSM state [Hv, dk, dv] in fp32; for each full layer,
-the usual K/V."""
+This module holds the layers and the contiguous-cache forward (tests, scoring); `paged.py` beside it
+runs the same layers over the engine's paged KV and state pool. Per sequence the cache holds, for
+each linear layer, the conv state (the last K-1 pre-conv rows) and the SSM state [Hv, dk, dv] in
+fp32; for each full layer, the usual K/V."""
 from __future__ import annotations
 
 import jax
@@ -14,12 +14,11 @@ from flax import struct
 
 from pallas_kernels.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
-from ..config import ModelConfig
-from ..sharding import constrain
-from ..route import REFERENCE, Route
-from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
-from .llama import _write
-from .moe import moe_mlp
+from ...config import ModelConfig
+from ...sharding import constrain
+from ...route import REFERENCE, Route
+from ..layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin, write_cache
+from ..moe import moe_mlp
 
 
 @struct.dataclass
@@ -176,7 +175,7 @@ def hybrid_forward(params, cfg: ModelConfig, tokens, positions, cache: HybridCac
                 h, conv[i], ssm[i] = _gated_deltanet(cfg, p, h, conv[i], ssm[i])
             else:
                 def attend(q, kk, vv, i=i):
-                    k[i], v[i] = _write(k[i], kk, positions), _write(v[i], vv, positions)
+                    k[i], v[i] = write_cache(k[i], kk, positions), write_cache(v[i], vv, positions)
                     return attention(q, k[i], v[i], positions)
                 h = gated_attention(cfg, p, h, positions, attend)
             x = x + h

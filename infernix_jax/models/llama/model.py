@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..config import ModelConfig
-from ..sharding import constrain
-from ..route import REFERENCE, Route
-from .layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin
-from .moe import moe_mlp
+from ...config import ModelConfig
+from ...sharding import constrain
+from ...route import REFERENCE, Route
+from ..layers import apply_rope, attention, gated_mlp, linear, projections, rms_norm, rope_cos_sin, write_cache
+from ..moe import moe_mlp
 
 
 @struct.dataclass
@@ -31,12 +31,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
-
-
-def _write(cache_l, new, positions):
-    """cache_l [B, S, nKV, hd] <- new [B, T, nKV, hd] at slots positions [B, T]."""
-    b = jnp.arange(new.shape[0])[:, None]
-    return cache_l.at[b, positions].set(new.astype(cache_l.dtype), mode="drop")
 
 
 def _attn_block(cfg: ModelConfig, p, x, cos, sin, attend):
@@ -81,7 +75,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache):
     new_k, new_v = list(cache.k), list(cache.v)
 
     def attend(i, q, k, v):
-        new_k[i], new_v[i] = _write(new_k[i], k, positions), _write(new_v[i], v, positions)
+        new_k[i], new_v[i] = write_cache(new_k[i], k, positions), write_cache(new_v[i], v, positions)
         return attention(q, new_k[i], new_v[i], positions)
 
     h = decoder(params, cfg, tokens, positions, attend)

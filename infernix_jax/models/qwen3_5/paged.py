@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..config import ModelConfig
-from ..route import Route
-from ..sharding import constrain
-from .hybrid import gated_attention, gdn_core, gdn_inputs, gdn_output, hybrid_mlp, rms_norm_1p
-from .kv_pool import PagedKV, paged_attend
+from ...config import ModelConfig
+from ...route import Route
+from ...sharding import constrain
+from .model import gated_attention, gdn_core, gdn_inputs, gdn_output, hybrid_mlp, rms_norm_1p
+from ..kv_pool import PagedKV, paged_attend
 
 
 @struct.dataclass
