@@ -1,7 +1,6 @@
 """Quantized weight formats: the arrays, quantize / dequantize, and the reference matmul."""
-from .formats import FORMATS, QTensor, dequantize, quantize  # noqa: F401
-
-from ..choices import WEIGHT_FORMATS  # noqa: F401,E402  (what --weights takes)
+from ..choices import WEIGHT_FORMATS          # what --weights takes
+from .formats import FORMATS, QTensor, dequantize, quantize
 
 
 def check_weights(weights: str | None, dtype: str, stored: str = "", where: str = "") -> None:
@@ -14,3 +13,6 @@ def check_weights(weights: str | None, dtype: str, stored: str = "", where: str 
     if weights and stored and weights != stored:
         raise ValueError(f"{where} holds {stored} weights; --weights {weights} would round them twice: "
                          f"convert the source again with --weights {weights}")
+
+
+__all__ = ["FORMATS", "QTensor", "WEIGHT_FORMATS", "check_weights", "dequantize", "quantize"]
