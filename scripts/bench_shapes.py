@@ -84,6 +84,10 @@ class Bench:
         # other ragged-kernel tiles for attention() to time beside the default: (rows, blocks, warps, stages)
         self.prefill_alternatives = ((64, 4, 4, 3), (128, 4, 4, 3), (128, 8, 8, 2))
         self.dtype = jnp.bfloat16
+        # the probes first, on an empty card: beside a model that fills most of it (qwen3.5-27b's 50 GiB
+        # on an 80 GB H100) their arrays ran it out of memory
+        self.bw = copy_bandwidth()
+        self.flops = matmul_flops()
         self.params = init_params(self.cfg, jax.random.PRNGKey(0), self.dtype)
         if weights == "gguf":
             raise ValueError("shapes has random weights, no GGUF file: pass a block type, e.g. --weights q4_k")
@@ -102,8 +106,6 @@ class Bench:
         self.per_tok = kv_bytes_per_token(self.cfg, self.dtype, kv_dtype, block_size) \
             / (self.parallel.kv_split(self.cfg.num_kv_heads) if self.parallel else 1)
         self.per_seq = state_bytes_per_seq(self.cfg, self.dtype)       # hybrids' recurrent state
-        self.bw = copy_bandwidth()
-        self.flops = matmul_flops()
         self.results = {"shape": shape, "weights": weights or "bf16", "kv_dtype": kv_dtype or "bf16", "fused": fuse,
                         "tensor_parallel": parallel.tensor if parallel else 1,
                         "expert_parallel": parallel.expert if parallel else 1,
