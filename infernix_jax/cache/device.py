@@ -106,14 +106,16 @@ def whole(kv: PagedKV):
     return NamedSharding(x.sharding.mesh, PartitionSpec())
 
 
-def read_blocks(kv: PagedKV, ids: list[int]) -> list:
+def read_blocks(kv: PagedKV, ids: list[int], keep: bool = True) -> list:
     """[(k, v, lo, hi)] per piece: blocks ids[lo:hi] as [hi - lo, L, nKV, bs, hd] arrays in host
     memory (quantized KV: [hi - lo, L, nKV, R] uint8, see host_block_layout). The copies are
-    started here and overlap the device's next work."""
+    started here and overlap the device's next work. keep=False: left on the device (a follower
+    of several hosts, which only joins the gather)."""
     out, w = [], whole(kv)
     for lo, hi in exact_pieces(len(ids)):
         k, v = _gather(kv, np.asarray(ids[lo:hi], np.int32), whole=w)
-        k, v = to_host((k, v))
+        if keep:
+            k, v = to_host((k, v))
         out.append((k, v, lo, hi))
     return out
 
@@ -195,10 +197,13 @@ def _scatter_slot(kv: PagedKV, slot, conv, ssm):
                       ssm=tuple(s.at[slot].set(x) for s, x in zip(kv.ssm, ssm)))
 
 
-def take_snapshot(kv: PagedKV, slot: int, num_tokens: int) -> StateSnapshot:
+def take_snapshot(kv: PagedKV, slot: int, num_tokens: int, keep: bool = True) -> StateSnapshot:
     """A copy of the state in `slot`, which holds the first num_tokens tokens, on its way to host
-    memory (the copy overlaps the device's next work)."""
-    conv, ssm = to_host(_gather_slot(kv.conv, kv.ssm, jnp.int32(slot), whole=whole(kv)))
+    memory (the copy overlaps the device's next work; keep=False: left on the device, as
+    read_blocks)."""
+    conv, ssm = _gather_slot(kv.conv, kv.ssm, jnp.int32(slot), whole=whole(kv))
+    if keep:
+        conv, ssm = to_host((conv, ssm))
     return StateSnapshot(conv, ssm, num_tokens)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..choices import ATTN_IMPLS
+from ..route import Route
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,8 @@ class EngineConfig:
             raise ValueError("--memory-fraction must be in (0, 1]")
         if self.decode_steps is not None and self.decode_steps < 1:
             raise ValueError("--decode-steps must be >= 1")
-        if self.attn_impl is not None and self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"--attn-impl must be one of {', '.join(ATTN_IMPLS)} (got {self.attn_impl!r})")
+        if self.attn_impl is not None:
+            Route.named(self.attn_impl)          # (raises the one-line error for an unknown name)
         # (--kv-dtype is checked against the model by models/kv_pool.check_kv_dtype, when the engine starts)
         if self.fair_turn_s < 0:
             raise ValueError("--fair-turn-s must be >= 0")

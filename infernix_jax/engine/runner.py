@@ -15,7 +15,7 @@ from ..cache import device
 from ..cache.snapshots import StateSnapshot
 from ..models.qwen3_5 import StateRows
 from ..models.kv_pool import PagedKV, init_paged_kv
-from ..route import Route
+from ..route import REFERENCE, Route
 from .. import distributed, sharding
 from . import shapes, steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
@@ -42,7 +42,7 @@ _any = jax.jit(jnp.any)
 
 
 class Runner:
-    def __init__(self, model, num_blocks: int, block_size: int, route: Route = Route(), state_slots: int = 0,
+    def __init__(self, model, num_blocks: int, block_size: int, route: Route = REFERENCE, state_slots: int = 0,
                  max_context: int = 0, parallel: sharding.Parallel | None = None):
         # several devices: the weights and the KV pool split over a mesh (sharding.py), every step
         # traced and run on it; None or one device: nothing changes
@@ -129,7 +129,8 @@ class Runner:
         return self._device("read_blocks", list(ids))
 
     def _op_read_blocks(self, ids):
-        return device.read_blocks(self.kv, ids)
+        # (a follower joins the gather, a collective, but keeps nothing: no copy to its host memory)
+        return device.read_blocks(self.kv, ids, keep=distributed.is_leader())
 
     def write_rows(self, k, v, rows: list[int], dst: list[int]) -> None:
         """Rows of a piece of host blocks into device blocks dst (device.write_rows)."""
@@ -150,7 +151,7 @@ class Runner:
         return self._device("take_snapshot", int(slot), int(num_tokens))
 
     def _op_take_snapshot(self, slot, num_tokens):
-        return device.take_snapshot(self.kv, slot, num_tokens)
+        return device.take_snapshot(self.kv, slot, num_tokens, keep=distributed.is_leader())
 
     def restore_snapshot(self, slot: int, snap: StateSnapshot) -> None:
         self._device("restore_snapshot", int(slot), snap)
