@@ -8,6 +8,11 @@ Layouts (shared by the Pallas kernels in this package):
 Ragged prefill: q [N, nH, hd] flat over the batch; cu_q [B + 1] int32 cumulative query counts.
 Query t of sequence b sits at flat index cu_q[b] + t and at position kv_lens[b] - q_len[b] + t.
 Decode: q [B, nH, hd], one query per sequence, at position kv_lens[b] - 1.
+Draft trees (speculative decoding): tree_lo [B] int32, the slot index where row b's draft tree
+begins (a large value: no tree), and anc [N] int32, each query's ancestors among its row's tree
+nodes as bits (bit i: node i, its own bit set). A query then sees the slots before tree_lo and,
+from tree_lo on, only its ancestors' (besides the causal limit): siblings written beside each
+other in consecutive slots never see each other.
 The references are jitted (inlined inside a model's step): called alone, each shape compiles once
 rather than op by op."""
 from __future__ import annotations
@@ -86,9 +91,11 @@ def paged_decode_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, s
 
 @functools.partial(jax.jit, static_argnames=("scale", "fmts"))
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale=None, k_scale=None,
-                                     v_scale=None, fmts=None, k_esc=None, v_esc=None, multi_rows=None):
+                                     v_scale=None, fmts=None, k_esc=None, v_esc=None, multi_rows=None,
+                                     tree_lo=None, anc=None):
     """q [N, nH, hd] -> [N, nH, hd], causal within each sequence. Rows past cu_q[B] are padding
-    (their output is zero). Quantized pools: as paged_decode_attention_reference.
+    (their output is zero). Quantized pools: as paged_decode_attention_reference. tree_lo [B],
+    anc [N]: draft trees (module doc; None: none).
 
     Costs B x N x S scores: every row is given all N query slots. multi_rows [Bp] int32 (ids of the
     rows that may hold several queries, padded with B; None: any row may) cuts that to Bp x N x S
@@ -97,7 +104,8 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, c
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, fmts=fmts, k_esc=k_esc, v_esc=v_esc)
     q_lens = cu_q[1:] - cu_q[:-1]                                                  # [B]
     if multi_rows is None:
-        return _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, cu_q[:-1], q_lens, **kw)
+        return _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, cu_q[:-1], q_lens, tree_lo=tree_lo, anc=anc,
+                            **kw)
     N, B = q.shape[0], kv_lens.shape[0]
     last = jnp.clip(cu_q[1:] - 1, 0, N - 1)                                        # each row's last query
     one = paged_decode_attention_reference(q[last], k_pool, v_pool, block_tables, kv_lens, **kw)   # [B, nH, hd]
@@ -105,14 +113,24 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, kv_lens, c
     if multi_rows.shape[0]:
         sel, real = jnp.clip(multi_rows, 0, B - 1), multi_rows < B
         out = out + _ragged_rows(q, k_pool, v_pool, block_tables[sel], kv_lens[sel], cu_q[sel],
-                                 jnp.where(real & (q_lens[sel] > 1), q_lens[sel], 0), **kw)
+                                 jnp.where(real & (q_lens[sel] > 1), q_lens[sel], 0),
+                                 tree_lo=None if tree_lo is None else tree_lo[sel], anc=anc, **kw)
     return out
 
 
+def tree_visible(sidx, tree_lo, anc):
+    """Which slots sidx [..., S] the queries of anc [...] (bits) see inside their row's tree from
+    slot tree_lo [...] on (all slots before it). Shapes broadcast: [..., 1] against [..., S]."""
+    rel = sidx - tree_lo
+    bit = jax.lax.shift_right_logical(anc, jnp.clip(rel, 0, 31).astype(anc.dtype)) & 1
+    return (rel < 0) | ((bit == 1) & (rel < 32))
+
+
 def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale=None, k_scale=None,
-                 v_scale=None, fmts=None, k_esc=None, v_esc=None):
+                 v_scale=None, fmts=None, k_esc=None, v_esc=None, tree_lo=None, anc=None):
     """Rows b of q_lens[b] queries from flat index starts[b] (their K/V by block_tables [R, M],
-    kv_lens [R]) -> [N, nH, hd] with their outputs (zero elsewhere)."""
+    kv_lens [R]) -> [N, nH, hd] with their outputs (zero elsewhere). tree_lo [R], anc [N]: draft
+    trees (module doc)."""
     N, nH, hd = q.shape
     B = kv_lens.shape[0]
     nKV = k_pool.shape[0]
@@ -127,6 +145,9 @@ def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale
     s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32), ks) * scale
     sidx = jnp.arange(S)
     visible = (sidx[None, None, :] <= pos[:, :, None]) & (sidx[None, None, :] < kv_lens[:, None, None])
+    if tree_lo is not None:
+        a = anc[jnp.clip(idx, 0, N - 1)]                                           # [B, N]
+        visible &= tree_visible(sidx[None, None, :], tree_lo[:, None, None], a[:, :, None])
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = _by_key(jnp.where(jnp.isnan(p), 0.0, p), vs)                               # (NaN: padded query rows)

@@ -6,7 +6,11 @@ a tile of rows = (query tokens of one sequence) x (the G query heads sharing one
 every K/V block loaded feeds one large matmul, and walks the sequence's KV blocks up to the tile's
 causal limit with an online softmax (attend_block, shared with the decode kernel, so quantized
 pools work here the same way). Programs whose query block lies past their sequence's chunk exit at
-once, so the grid can be sized from static shapes."""
+once, so the grid can be sized from static shapes.
+
+Draft trees (speculative decoding; paged_attention's module doc): with tree_lo / anc each query
+also needs its ancestor bit for the slots from its row's tree_lo on, so the blocks from there take
+the masked path."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .paged_attention import ragged_paged_attention_reference
+from .paged_attention import ragged_paged_attention_reference, tree_visible
 from .common import triton_params
 from .paged_blocks import (LOG2E, NEG, attend_block, check_pools, extra_operands, fit_pages, pool_specs, split_refs,
                            tile_dtype, value_parts)
@@ -32,13 +36,15 @@ class BlockSizes:
 
 
 def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, ppb: int, gp: int, scale: float,
-            fmts):
+            fmts, tree: bool):
     # cu_ref [B + 1], lens_ref [B]; bt_ref [M] this sequence's blocks
     # q_ref [(N + block_q) * gp, hd] this kv head's queries, row = token * gp + head
     #   (the G heads sharing the KV head, padded to gp, so one tile feeds the tensor cores)
     # k_ref, v_ref [P, bs, hd'] this kv head's pool (quantized: codes, then ks_ref, vs_ref [P, bs])
+    # tree: lo_ref [B] each row's tree start, anc_ref [(N + block_q) * gp] each query row's ancestor bits
     # o_ref [parts, (N + block_q) * gp, hd / parts] its outputs (int4 values: two halves)
-    ks_ref, vs_ref, ke_ref, ve_ref, (o_ref,) = split_refs(refs, fmts)
+    ks_ref, vs_ref, ke_ref, ve_ref, rest = split_refs(refs, fmts)
+    lo_ref, anc_ref, o_ref = rest if tree else (None, None, *rest)
     b, j = pl.program_id(0), pl.program_id(1)
     bs, hd = k_ref.shape[1], q_ref.shape[1]
     parts = value_parts(fmts)
@@ -62,7 +68,10 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, 
                 if not masked:
                     return s
                 tok = i * block_k + jnp.arange(block_k)
-                return jnp.where((tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len), s, NEG)
+                ok = (tok[None, :] <= pos[:, None]) & (tok[None, :] < kv_len)
+                if tree:
+                    ok &= tree_visible(tok[None, :], lo_ref[b], anc_ref[pl.ds(start * gp, rows)][:, None])
+                return jnp.where(ok, s, NEG)
             return attend_block(q, *carry, k_ref, v_ref, ks_ref, vs_ref, bt_ref[pl.ds(i * ppb, ppb)], mask,
                                 scale, fmts, ke_ref, ve_ref)
 
@@ -71,6 +80,8 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, 
         # KV blocks wholly at or before the tile's first query position need no mask; only the
         # blocks on the causal diagonal (and the ragged end) pay for it
         n_full = (pos0 + 1) // block_k
+        if tree:
+            n_full = jnp.minimum(n_full, lo_ref[b] // block_k)
         n_all = pl.cdiv(pl.cdiv(last, bs), ppb)
         carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
         o, _, l = jax.lax.fori_loop(n_full, n_all, functools.partial(body, masked=True), carry)
@@ -82,10 +93,11 @@ def _kernel(cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, block_q: int, 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "fmts"))
 def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale: float | None = None, k_scale=None,
-                           v_scale=None, fmts=None, k_esc=None, v_esc=None, block_sizes: BlockSizes = BlockSizes(),
-                           interpret: bool = False):
+                           v_scale=None, fmts=None, k_esc=None, v_esc=None, tree_lo=None, anc=None,
+                           block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
     """q [N, nH, hd]; k_pool, v_pool [nKV, P, bs, hd]; block_tables [B, M]; kv_lens [B]; cu_q [B + 1]
-    -> [N, nH, hd] (rows past cu_q[B] are zero). Quantized pools: as paged_decode_attention."""
+    -> [N, nH, hd] (rows past cu_q[B] are zero). Quantized pools: as paged_decode_attention.
+    tree_lo [B], anc [N]: draft trees (paged_attention's module doc; None: none)."""
     N, nH, hd = q.shape
     fmts, parts = check_pools(q, k_pool, v_pool, k_scale, v_scale, fmts, k_esc, v_esc)
     nKV, P, bs, _ = k_pool.shape
@@ -100,8 +112,8 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
         kb, vb = (decode_rows(p[:, flat], s[:, flat], e[:, flat]) for p, s, e in
                   ((k_pool, k_scale, k_esc), (v_pool, v_scale, v_esc)))                 # [nKV, B*M, bs, hd]
         tables = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
-        return ragged_paged_attention(q, kb, vb, tables, kv_lens, cu_q, scale, block_sizes=block_sizes,
-                                      interpret=interpret)
+        return ragged_paged_attention(q, kb, vb, tables, kv_lens, cu_q, scale, tree_lo=tree_lo, anc=anc,
+                                      block_sizes=block_sizes, interpret=interpret)
     if kv_lens.shape != (B,) or cu_q.shape != (B + 1,):
         raise ValueError(f"kv_lens {kv_lens.shape} / cu_q {cu_q.shape} do not match batch {B}")
     scale = hd ** -0.5 if scale is None else scale
@@ -117,8 +129,14 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
     bt = jnp.pad(block_tables, ((0, 0), (0, Mp - M)))
     qh = q.reshape(N, nKV, G, hd).transpose(1, 0, 2, 3)                              # [nKV, N, G, hd]
     qh = jnp.pad(qh, ((0, 0), (0, bq), (0, gp - G), (0, 0))).reshape(nKV, (N + bq) * gp, hd)
-    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale * LOG2E, fmts=fmts)
+    tree = tree_lo is not None
+    kernel = functools.partial(_kernel, block_q=bq, ppb=ppb, gp=gp, scale=scale * LOG2E, fmts=fmts, tree=tree)
     E = k_esc.shape[-1] if k_esc is not None else 0
+    tree_specs, tree_args = [], []
+    if tree:     # each query row's ancestor bits, as the tile lays its rows out (token * gp + head)
+        anc_rows = jnp.repeat(jnp.pad(anc.astype(jnp.int32), (0, bq)), gp)                  # [(N + bq) * gp]
+        tree_specs = [pl.BlockSpec((B,), lambda b, j, h: (0,)), pl.BlockSpec(((N + bq) * gp,), lambda b, j, h: (0,))]
+        tree_args = [tree_lo.astype(jnp.int32), anc_rows]
     out = pl.pallas_call(
         kernel,
         grid=(B, pl.cdiv(N, bq), nKV),
@@ -128,6 +146,7 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
             pl.BlockSpec((None, Mp), lambda b, j, h: (b, 0)),
             pl.BlockSpec((None, (N + bq) * gp, hd), lambda b, j, h: (h, 0, 0)),
             *pool_specs(P, bs, hd, fmts, lambda b, j, h: h, E),
+            *tree_specs,
         ],
         out_specs=pl.BlockSpec((None, parts, (N + bq) * gp, hd // parts), lambda b, j, h: (h, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((nKV, parts, (N + bq) * gp, hd // parts), q.dtype),
@@ -135,7 +154,7 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q, scale
         compiler_params=None if interpret else triton_params(block_sizes.num_warps, block_sizes.num_stages),
         name="ragged_paged_attention",
     )(cu_q.astype(jnp.int32), kv_lens.astype(jnp.int32), bt, qh, k_pool, v_pool,
-      *extra_operands(fmts, k_scale, v_scale, k_esc, v_esc))
+      *extra_operands(fmts, k_scale, v_scale, k_esc, v_esc), *tree_args)
     out = jnp.moveaxis(out.reshape(nKV, parts, N + bq, gp, hd // parts), 1, 3)      # halves side by side
     out = out.reshape(nKV, N + bq, gp, hd)[:, :N, :G].transpose(1, 0, 2, 3).reshape(N, nH, hd)
     valid = jnp.arange(N) < cu_q[B]

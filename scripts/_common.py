@@ -159,6 +159,16 @@ def add_engine_args(p):
     g.add_argument("--fair-turn-s", type=float, default=1.0, metavar="S",
                    help="under KV pressure, running requests take turns of about S seconds of output so that "
                         "waiting ones are served too (0: the oldest runs to the end; default %(default)s)")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=choices.SPECULATIVE, default="auto",
+                   help="draft tokens and verify them in one step: auto (default) where measured round times and "
+                        "acceptance say it pays; ngram whenever an n-gram of the text recurs; off. The output is the "
+                        "same token for token (greedy or seeded)")
+    g.add_argument("--num-speculative-tokens", type=int, default=8, metavar="K",
+                   help="the deepest draft a round verifies (default %(default)s)")
+    g.add_argument("--ngram-tree-nodes", type=int, default=0, metavar="N",
+                   help="n-gram drafts as trees of up to N nodes: every earlier occurrence of the matched text "
+                        "with another continuation (two versions of a file) verified in one round (default off)")
     g = p.add_argument_group("prefix cache")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not keep computed prefixes for reuse (every prompt is prefilled in full)")
@@ -189,7 +199,8 @@ def engine_config(a):
                         fair_turn_s=a.fair_turn_s, kv_dtype=a.kv_dtype or "", memory_fraction=a.memory_fraction,
                         block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                         chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps,
-                        attn_impl=a.attn_impl, parallel=parallel_of(a))
+                        attn_impl=a.attn_impl, parallel=parallel_of(a), speculative=a.speculative,
+                        num_speculative_tokens=a.num_speculative_tokens, ngram_tree_nodes=a.ngram_tree_nodes)
 
 
 class Progress:

@@ -213,3 +213,73 @@ def test_kernels_validate_shapes():
     with pytest.raises(ValueError, match="shape mismatch"):      # int4 values take hd / 2 bytes a row
         pda.paged_decode_attention(q, codes, codes, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
                                    fmts=("int8", "int4"), interpret=True)
+
+
+TREE_CASES = [  # (nH, nKV, hd, bs, [(tokens before the tree in the row's chunk, tree nodes)], context, M)
+    (8, 2, 64, 16, [(1, 7), (3, 12)], [40, 5], 8),
+    (4, 4, 128, 8, [(2, 31), (1, 1)], [100, 9], 32),
+]
+
+
+def random_tree(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random draft tree of n nodes in topological order: parents [n] (-1: a child of the root)
+    and each node's ancestor bits [n] (its own included)."""
+    parents = np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, n)], np.int32)
+    anc = np.zeros(n, np.int64)
+    for i, p in enumerate(parents):
+        anc[i] = (1 << i) | (anc[p] if p >= 0 else 0)
+    return parents, anc.astype(np.uint32).view(np.int32)
+
+
+def dense_tree_attention(q, k, v, bt, kv_lens, cu, tree_lo, anc):
+    """The tree mask written out: each query over the slots it may see, one at a time (numpy, f32)."""
+    q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+    nKV, bs, hd = k.shape[0], k.shape[2], k.shape[3]
+    G = q.shape[1] // nKV
+    out = np.zeros_like(q)
+    for b in range(len(kv_lens)):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        for t in range(lo, hi):
+            pos = int(kv_lens[b]) - (hi - lo) + (t - lo)
+            seen = [s for s in range(pos + 1) if s < tree_lo[b] or (int(anc[t]) >> (s - tree_lo[b])) & 1]
+            blocks = np.asarray(bt[b])[np.asarray(seen) // bs]
+            for h in range(q.shape[1]):
+                K = k[h // G, blocks, np.asarray(seen) % bs]                  # [S, hd]
+                V = v[h // G, blocks, np.asarray(seen) % bs]
+                s = K @ q[t, h] * hd ** -0.5
+                p = np.exp(s - s.max())
+                out[t, h] = p @ V / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", range(len(TREE_CASES)))
+def test_ragged_attention_with_draft_trees(case, dtype, interpret):
+    """Rows ending in a draft tree (speculative decoding): each node sees the context and its
+    ancestors only. The reference (with and without multi_rows) and the kernel against the mask
+    written out query by query; a row without a tree beside them keeps plain causal attention."""
+    nH, nKV, hd, bs, rows, context, M = TREE_CASES[case]
+    rng = np.random.default_rng(70 + case)
+    B = len(rows) + 1                                           # + a plain chunk of 5 tokens
+    q_lens = [a + n for a, n in rows] + [5]
+    before = list(context) + [20]
+    P = B * M + 1
+    k, v = pool(rng, nKV, P, bs, hd, dtype)
+    N = sum(q_lens) + 3
+    q = jnp.asarray(rng.standard_normal((N, nH, hd)), dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv_lens = np.asarray([a + b for a, b in zip(q_lens, before)], np.int32)
+    bt = rng.permutation(P)[:B * M].reshape(B, M).astype(np.int32)
+    tree_lo = np.full((B,), 2**30, np.int32)
+    anc = np.zeros((N,), np.int32)
+    for b, (a, n) in enumerate(rows):
+        tree_lo[b] = before[b] + a
+        anc[cu[b] + a:cu[b] + a + n] = random_tree(rng, n)[1]
+    want = dense_tree_attention(q, k, v, bt, kv_lens, cu, tree_lo, anc)
+    args = (q, k, v, jnp.asarray(bt), jnp.asarray(kv_lens), jnp.asarray(cu))
+    tree = dict(tree_lo=jnp.asarray(tree_lo), anc=jnp.asarray(anc))
+    check(rpa.ragged_paged_attention_reference(*args, **tree), want, dtype)
+    check(rpa.ragged_paged_attention_reference(*args, **tree, multi_rows=jnp.arange(B, dtype=jnp.int32)), want, dtype)
+    bsz = rpa.BlockSizes(block_rows=32, pages_per_compute_block=2) if interpret else rpa.BlockSizes()
+    check(rpa.ragged_paged_attention(*args, **tree, block_sizes=bsz, interpret=interpret), want, dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..choices import MAX_DRAFT_NODES as MAX_NODES, SPECULATIVE
 from ..route import Route
 
 
@@ -23,6 +24,10 @@ class EngineConfig:
     attn_impl: str | None = None          # None: pallas on a GPU, reference on the CPU
     kv_dtype: str = ""                    # "" (the model dtype) or one of choices.KV_DTYPES
     fair_turn_s: float = 1.0              # turns of output under KV pressure (0: oldest first)
+    # speculative decoding (engine/spec): auto drafts where measured round times say it pays
+    speculative: str = "auto"
+    num_speculative_tokens: int = 8       # the deepest draft
+    ngram_tree_nodes: int = 0             # > 0: n-gram drafts as trees of up to this many nodes
     # the prefix cache and its tiers
     prefix_cache: bool = True
     prefix_cache_ram_gib: float = 0.0
@@ -54,6 +59,12 @@ class EngineConfig:
         if self.attn_impl is not None:
             Route.named(self.attn_impl)          # (raises the one-line error for an unknown name)
         # (--kv-dtype is checked against the model by models/kv_pool.check_kv_dtype, when the engine starts)
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE)} (got {self.speculative!r})")
+        if not 1 <= self.num_speculative_tokens <= MAX_NODES - 1:
+            raise ValueError(f"--num-speculative-tokens must be in 1..{MAX_NODES - 1}")
+        if not 0 <= self.ngram_tree_nodes <= MAX_NODES:
+            raise ValueError(f"--ngram-tree-nodes must be in 0..{MAX_NODES}")
         if self.fair_turn_s < 0:
             raise ValueError("--fair-turn-s must be >= 0")
         if self.prefix_cache_ram_gib < 0:

@@ -64,6 +64,14 @@ class Constraint:
     def consume(self, token: int) -> bool:
         return self.m.consume_token(token)
 
+    def try_consume(self, tokens: list[int]) -> int:
+        """Consume the leading tokens the grammar allows; -> how many (rollback undoes them)."""
+        return self.m.try_consume_tokens(tokens)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+
     @property
     def done(self) -> bool:
         """Nothing more may follow (the grammar is complete and only ends the text)."""

@@ -32,6 +32,7 @@ from .scheduler import Scheduler
 from ..cache.snapshots import SnapshotStore
 from ..route import Route
 from .sequence import Sequence, Status
+from .spec.policy import Speculator
 from .stops import TextTracker
 
 log = logging.getLogger("infernix.engine")
@@ -119,6 +120,9 @@ class Engine:
         self.route = Route.named(impl, kv_dtype)       # how every step computes (route.py)
         self.runner = Runner(model, self.plan.num_blocks, block_size, self.route, state_slots=max_num_seqs,
                              max_context=self.max_context, parallel=parallel)
+        # speculative decoding (spec/): drafts proposed before each schedule, verified in the mixed step
+        self.spec = None if c.speculative == "off" else \
+            Speculator(c.speculative, c.num_speculative_tokens, c.ngram_tree_nodes)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
@@ -275,6 +279,7 @@ class Engine:
         if self.cache is not None and self.cache.host is not None:
             self.cache.host.check_memory()       # at most once a second
         self._drop_cancelled()
+        self._propose()
         plan, k = self.scheduler.schedule()
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -287,10 +292,28 @@ class Engine:
             self.cache.apply(self.runner)
         t = time.perf_counter()
         outs = self.runner.run(plan, k)      # waits for the step's tokens
+        dt = time.perf_counter() - t
         if self.cache is not None and k == 1:
-            self.cache.costs.prefill(sum(n for _, n in plan), time.perf_counter() - t)
+            self.cache.costs.prefill(sum(n for _, n in plan), dt)
+        if self.spec is not None:
+            self.spec.timings.record(plan, k, dt)
         self._fail_unpacked(plan)
         self._postprocess(plan, k, outs)
+
+    def _propose(self) -> None:
+        """Drafts for the running sequences that decode (speculation on): spec/policy.py decides."""
+        if self.spec is None:
+            return
+        running = self.scheduler.running
+        for seq in running:
+            seq.draft = self.spec.propose(seq, len(running), seq.tokens_left(self.max_context)) \
+                if self._can_draft(seq) else None
+
+    def _can_draft(self, seq: Sequence) -> bool:
+        """Decoding (hybrids: its accepted tokens of the last round fed again count as decoding),
+        and no penalties (their token histories would change along a draft)."""
+        return (seq.status is Status.RUNNING and bool(seq.out_ids) and seq.num_computed > 0
+                and seq.num_pending <= 1 + self.config.num_speculative_tokens and not seq.params.penalized)
 
     def _fail_unpacked(self, plan) -> None:
         """--kv-dtype bf16p: a request whose K/V a step could not pack losslessly fails alone (its
@@ -316,21 +339,25 @@ class Engine:
         for (seq, n), out in zip(plan, outs):
             if seq.status is not Status.RUNNING:
                 continue
+            draft, seq.draft = seq.draft, None
             if k == 1:
-                seq.num_computed += n
+                seq.num_computed += n - (len(draft) if draft else 0)
                 if seq.num_pending > 0:          # a prefill chunk that did not reach the end
                     self.bm.seal_full_blocks(seq)
                     continue
             # tokens it may still emit: where the device stopped a hybrid's state updates (runner._ends)
             rem = seq.tokens_left(self.max_context)
+            taken = 0
             for j in range(len(out.ids)):
                 if k > 1:
                     seq.num_computed += 1
                 # Ending here drops the rest of the dispatch: KV slots are simply overwritten, but a
                 # hybrid's recurrent state has absorbed the dropped tokens (no snapshot of it then)
                 # unless the device saw the end too (a stop token or the length limit) and froze it.
+                # (A verify row's state holds its known tokens only: never dirty.)
                 device_end = (int(out.ids[j]) in seq.stop_ids and len(seq.stop_ids) <= STOP_WIDTH) or j + 1 >= rem
-                seq.state_dirty = j < len(out.ids) - 1 and not device_end
+                seq.state_dirty = k > 1 and j < len(out.ids) - 1 and not device_end
+                taken += 1
                 if self._accept(seq, out, j):
                     # the loop guard injected </think>: a hybrid's state cannot be rewound, so the
                     # sequence is recomputed (rare; mostly out of the prefix cache).
@@ -339,6 +366,8 @@ class Engine:
                     break
                 if seq.status is not Status.RUNNING:
                     break
+            if draft is not None:
+                self._verified(seq, draft, out, taken)
             if seq.status is Status.RUNNING:
                 seq.state_dirty = False
                 self.bm.seal_full_blocks(seq)
@@ -346,6 +375,18 @@ class Engine:
             for seq, n in plan:      # prefill chunks (a 1-token one may end on a boundary too)
                 if seq.status is Status.RUNNING and k == 1 and (n > 1 or seq.num_computed <= len(seq.prompt_ids)):
                     self.snapshots.after_chunk(seq, self.runner, self.bm)
+
+    def _verified(self, seq: Sequence, draft, out: StepOutput, taken: int) -> None:
+        """After a verify row: the accepted draft tokens whose K/V sit where they belong count as
+        computed (a chain's, and a tree's while its path follows the first branch); the rest is
+        fed again next step (hybrids always: their state holds the known tokens only)."""
+        self.spec.observe(seq, draft, out.accepted)
+        if seq.status is not Status.RUNNING or self.hybrid:
+            return
+        in_place = 0
+        while in_place < len(out.path) and out.path[in_place] == in_place:
+            in_place += 1
+        seq.num_computed += min(taken - 1, in_place)
 
     def _accept(self, seq: Sequence, out: StepOutput, j: int) -> bool:
         """Take token j of a step's output. True when the loop guard injected </think>: the rest of a

@@ -20,13 +20,17 @@ from .. import distributed, sharding
 from . import shapes, steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
 from .sequence import Sequence
+from .spec import DraftArrays
 
 
 class StepOutput:
-    """Per scheduled row: sampled ids [k], logprobs [k], and top ids/logprobs [k, TOP] if asked."""
+    """Per scheduled row: sampled ids [k], logprobs [k], and top ids/logprobs [k, TOP] if asked.
+    A verify row (one with a draft): the k = accepted + 1 tokens to emit, and the accepted nodes
+    (path, in order)."""
 
-    def __init__(self, ids, lps, top_ids=None, top_lps=None):
+    def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=()):
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
+        self.accepted, self.path = accepted, path
 
 
 log = logging.getLogger("infernix.engine")
@@ -177,27 +181,47 @@ class Runner:
         return set(int(i) for i in ids)
 
     def _state_rows(self, plan, B: int, N: int) -> StateRows | None:
-        """Hybrids: the two layouts of the linear layers (one-token rows, several-token rows)."""
+        """Hybrids: the layouts of the linear layers (one-token rows, several-token rows, and the
+        rows ending in drafts: qwen3_5/paged.py)."""
         if not self.hybrid:
             return None
         S = self.state_slots
         dec_tok, dec_slot, dec_fresh = np.full((B,), N, np.int32), np.full((B,), S, np.int32), np.zeros((B,), bool)
-        multi, off = [], 0
+        multi, spec, off = [], [], 0
         for i, (s, n) in enumerate(plan):
-            if n == 1:
+            if s.draft:
+                spec.append((off, n, s))
+            elif n == 1:
                 dec_tok[i], dec_slot[i], dec_fresh[i] = off, s.state_slot, s.num_computed == 0
             else:
                 multi.append((off, n, s))
             off += n
+        extra = self._spec_rows(spec, N) if spec else {}
         if not multi:
-            return StateRows(dec_tok, dec_slot, dec_fresh)
+            return StateRows(dec_tok, dec_slot, dec_fresh, **extra)
         Bp = self.multi_bucket(len(multi), B)
         pre_tok = np.full((Bp, N), N, np.int32)
         pre_len, pre_slot, pre_fresh = np.zeros((Bp,), np.int32), np.full((Bp,), S, np.int32), np.zeros((Bp,), bool)
         for r, (o, n, s) in enumerate(multi):
             pre_tok[r, :n] = np.arange(o, o + n)
             pre_len[r], pre_slot[r], pre_fresh[r] = n, s.state_slot, s.num_computed == 0
-        return StateRows(dec_tok, dec_slot, dec_fresh, pre_tok, pre_len, pre_slot, pre_fresh)
+        return StateRows(dec_tok, dec_slot, dec_fresh, pre_tok, pre_len, pre_slot, pre_fresh, **extra)
+
+    def _spec_rows(self, spec, N: int) -> dict:
+        """StateRows' verify layout for the rows [(flat offset, tokens, seq)] that end in drafts:
+        their known tokens in a chain, the draft's nodes after them; the state after the last known
+        token is the one kept."""
+        Bs, T = steps.bucket(len(spec), minimum=1), steps.bucket(max(n for _, n, _ in spec), minimum=1)
+        tok, par = np.full((Bs, T), N, np.int32), np.full((Bs, T), -1, np.int32)
+        commit, slot = np.zeros((Bs,), np.int32), np.full((Bs,), self.state_slots, np.int32)
+        fresh = np.zeros((Bs,), bool)
+        for r, (o, n, s) in enumerate(spec):
+            known = n - len(s.draft)
+            tok[r, :n] = np.arange(o, o + n)
+            par[r, :known] = np.arange(-1, known - 1)
+            par[r, known:n] = [known + p if p >= 0 else known - 1 for p in s.draft.parents]
+            commit[r], slot[r], fresh[r] = known - 1, s.state_slot, s.num_computed == 0
+        return dict(spec_tok=tok, spec_par=par, spec_commit=commit, spec_slot=slot, spec_fresh=fresh)
 
     def _sampling(self, seqs: list[Sequence], B: int) -> tuple[SamplingArrays, np.ndarray]:
         temp = np.zeros((B,), np.float32)
@@ -250,13 +274,22 @@ class Runner:
         return ThinkGuard(open=is_open, enabled=enabled, banned=np.asarray(banned, np.int32),
                           start=np.int32(start), end=np.int32(end))
 
-    def _allowed(self, plan, B: int) -> np.ndarray:
-        """Token bitmasks of the rows (all ones but for constrained rows that sample this step: one
-        compiled step whether or not a row is constrained)."""
-        mask = np.full((B, (self.cfg.vocab_size + 31) // 32), -1, np.int32)
+    def _allowed(self, plan, B: int, K: int = 1) -> np.ndarray:
+        """Token bitmasks of the draws, K per row (all ones but for constrained rows that sample:
+        one compiled step whether or not a row is constrained). A draft node's mask is the
+        grammar's after the tokens down to it (the matcher rolled back after each)."""
+        mask = np.full((B * K, (self.cfg.vocab_size + 31) // 32), -1, np.int32)
         for i, (s, n) in enumerate(plan):
-            if s.constraint is not None and s.num_computed + n == len(s):     # this row samples a token
-                s.constraint.fill(mask, i)
+            d = s.draft
+            if s.constraint is None or s.num_computed + n - (len(d) if d else 0) != len(s):
+                continue                       # (not sampling this step: a prefill chunk)
+            s.constraint.fill(mask, i * K)
+            for j in range(len(d) if d else 0):
+                path = d.path_tokens(j)
+                took = s.constraint.try_consume(path)
+                if took == len(path):          # (a node the grammar forbids is never accepted)
+                    s.constraint.fill(mask, i * K + 1 + j)
+                s.constraint.rollback(took)
         return mask
 
     def table_width(self, blocks: int) -> int:
@@ -278,39 +311,72 @@ class Runner:
 
     def _mixed(self, plan) -> list[StepOutput]:
         """A ragged step; it always returns the top log-probabilities (one compiled form whether a
-        row asks for them or not: mixed steps are prefill-sized, where they cost little)."""
+        row asks for them or not: mixed steps are prefill-sized, where they cost little). Rows
+        with a draft (seq.draft, the last of their n tokens) are verified (steps.mixed_step)."""
         seqs = [s for s, _ in plan]
         n_real = sum(n for _, n in plan)
         N = steps.bucket(n_real)
         B = steps.bucket(len(plan), minimum=1)
+        K = steps.bucket(1 + max((len(s.draft) for s in seqs if s.draft), default=0), minimum=1)
         bs = self.block_size
         tokens = np.zeros((N,), np.int32)
         positions = np.zeros((N,), np.int32)
         slots = np.full((N,), self.num_blocks * bs, np.int32)       # out of range: dropped
         kv_lens = np.zeros((B,), np.int32)
         cu_q = np.full((B + 1,), n_real, np.int32)
-        logits_idx = np.zeros((B,), np.int32)
+        logits_idx = np.zeros((B, K), np.int32)
+        depth = np.zeros((B, K), np.int32)                           # each draw's output index offset
+        d_tok, d_par = np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)
+        tree = any(s.draft and not s.draft.is_chain for s in seqs)
+        tree_lo, anc = np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)
         off = 0
         for i, (s, n) in enumerate(plan):
-            pos = np.arange(s.num_computed, s.num_computed + n)
-            tokens[off:off + n] = s.tokens(s.num_computed, s.num_computed + n)
-            positions[off:off + n] = pos
+            d = s.draft
+            nd = len(d) if d else 0
+            known = n - nd
+            at = np.arange(s.num_computed, s.num_computed + n)       # the row's KV slots, in order
+            tokens[off:off + known] = s.tokens(s.num_computed, s.num_computed + known)
+            positions[off:off + known] = at[:known]
             blocks = np.asarray(s.block_ids, np.int32)
-            slots[off:off + n] = blocks[pos // bs] * bs + pos % bs
+            slots[off:off + n] = blocks[at // bs] * bs + at % bs
             cu_q[i] = off
             kv_lens[i] = s.num_computed + n
-            logits_idx[i] = off + n - 1
+            logits_idx[i] = off + known - 1
+            if d:                  # the nodes: positions by depth, drawn after each
+                dep = np.asarray(d.depths(), np.int32)
+                tokens[off + known:off + n] = d.tokens
+                positions[off + known:off + n] = at[known - 1] + dep
+                logits_idx[i, 1:1 + nd] = off + known + np.arange(nd)
+                depth[i, 1:1 + nd] = dep
+                d_tok[i, :nd], d_par[i, :nd] = d.tokens, d.parents
+                tree_lo[i] = at[known - 1] + 1
+                anc[off + known:off + n] = d.ancestors()
             off += n
         sampling, st = self._sampling(seqs, B)
-        bt, pen, allowed, rows = self._block_table(seqs, B), self._penalties(seqs, B), self._allowed(plan, B), \
+        bt, pen, allowed, rows = self._block_table(seqs, B), self._penalties(seqs, B), self._allowed(plan, B, K), \
             self._state_rows(plan, B, N)
         multi = self._multi_rows(plan, B)
-        self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, 0 if multi is None else len(multi)))
+        kw = {}
+        if K > 1:                  # a verify step: every row's draws (K each) row-major
+            sampling = jax.tree.map(lambda a: np.repeat(a, K, axis=0), sampling)
+            st = np.repeat(st, K) + depth.reshape(-1)
+            pen = None if pen is None else jax.tree.map(lambda a: np.repeat(a, K, axis=0), pen)
+            kw = dict(drafts=DraftArrays(d_tok, d_par), tree=(tree_lo, anc) if tree else None)
+        else:
+            self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, 0 if multi is None else len(multi)))
         out = self._device("mixed", tokens, positions, slots, bt, kv_lens, cu_q, logits_idx,
                            st, sampling, route=self.route, want_top=True,
-                           penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows, multi_rows=multi)
+                           penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows, multi_rows=multi,
+                           **kw)
         out = jax.device_get(out)
-        return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
+        if K == 1:
+            return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
+        *out, accepted, path = out
+        res = []
+        for i, s in enumerate(seqs):
+            a = int(accepted[i]) if s.draft else 0
+            res.append(StepOutput(*(x[i, :a + 1] for x in out), accepted=a, path=tuple(int(j) for j in path[i, :a])))
+        return res
 
     def multi_bucket(self, count: int, B: int) -> int:
         """Slots for `count` rows feeding several tokens in a step of B rows: 0, 1 (the common case:
@@ -334,7 +400,9 @@ class Runner:
         if not self._row_layout:
             return None
         multi = [i for i, (_, n) in enumerate(plan) if n > 1]
-        out = np.full((self.multi_bucket(len(multi), B),), B, np.int32)
+        drafted = any(s.draft for s, _ in plan)   # (verify rows come beside the capped prefill rows)
+        out = np.full((steps.bucket(len(multi), minimum=1) if drafted else self.multi_bucket(len(multi), B),), B,
+                      np.int32)
         out[:len(multi)] = multi
         return out
 

@@ -7,6 +7,10 @@ pool runs out, the youngest running sequence is preempted: its blocks are freed 
 later (its prompt and outputs so far are prefilled again, mostly out of the prefix cache: its
 blocks stay cached when it is freed).
 
+Speculative decoding: a running sequence may carry a draft (seq.draft, spec/); its tokens ride
+after its known ones in the same row, within the budget and the free blocks (else the draft is
+dropped, never the sequence's own tokens), and a step with drafts runs one dispatch.
+
 With a prefix cache, a sequence admitted with no blocks first takes over the longest cached prefix
 of its tokens (prefix_cache.lookup), so only the rest is fed.
 
@@ -73,6 +77,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         seq.staged = None
+        seq.draft = None
         if self.on_release is not None and seq.block_ids:
             self.bm.seal_full_blocks(seq)      # (a sequence can end on the step that fills a block)
             self.on_release(seq)
@@ -185,8 +190,17 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._chunk(seq, budget)
-            if n == 0 or self._prefill_rows_full(plan, n):
+            if seq.draft is not None:             # speculation: the draft rides after the known tokens
+                seq.draft = seq.draft.truncated(budget - n) if n == seq.num_pending else None
+                n += len(seq.draft) if seq.draft else 0
+            if n == 0 or (not seq.draft and self._prefill_rows_full(plan, n)):
+                seq.draft = None
                 continue
+            if not self.bm.can_grow(seq, seq.num_computed + n) and seq.draft:
+                n -= len(seq.draft)               # (no blocks for the draft: verify nothing this step)
+                seq.draft = None
+                if self._prefill_rows_full(plan, n):
+                    continue
             while not self.bm.can_grow(seq, seq.num_computed + n):
                 victims = [s for s in self.running if s is not seq and all(s is not p for p, _ in plan)]
                 if not victims:
@@ -215,7 +229,7 @@ class Scheduler:
             budget -= n
         steps = 1
         if self.decode_steps > 1 and plan and not self.waiting and all(s.decoding and s.constraint is None
-                                                                          for s, _ in plan):
+                                                                          and not s.draft for s, _ in plan):
             steps = self.decode_steps
             if sum(max(0, self.bm.blocks_for(s.num_computed + steps) - len(s.block_ids))
                    for s, _ in plan) <= self.bm.num_free:

@@ -42,6 +42,8 @@ class Sequence:
         self.constraint = None                # constraints.Constraint when the output follows a grammar
         self.thinking = req.params.think_open   # inside a <think> block now
         self.think_from = 0                   # index in out_ids where the open thinking block began
+        self.draft = None                     # spec.Draft: the tokens this step verifies after the known ones
+        self.spec = None                      # spec.policy.SeqStats: its drafting statistics (speculation on)
 
     @property
     def all_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ from ..models.kv_pool import PagedKV
 from ..models.paged import forward_paged
 from ..route import REFERENCE, Route, use
 from .sampler import Penalties, SamplingArrays, ThinkGuard, sample
+from .spec.verify import DraftArrays, accept, node_states
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -31,19 +32,36 @@ def bucket(n: int, minimum: int = 16) -> int:
 def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
                logits_idx, steps, sampling: SamplingArrays, route: Route = REFERENCE, want_top: bool = False,
                penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None, rows=None,
-               multi_rows=None):
-    """A ragged batch of prefill chunks and decodes. tokens/positions/slots [N]; block_tables [B, M];
-    kv_lens, logits_idx (flat index of each row's last token), steps [B]; cu_q [B + 1].
-    allowed: None or [B, ceil(V/32)] int32 token bitmasks (constrained rows; all ones elsewhere).
-    rows: hybrids' StateRows (None otherwise). multi_rows [Bp]: the rows feeding several tokens
-    (padded with B; None: any may): the reference attention gives only those the ragged layout.
-    Returns the sampled token of every row (and logprobs), and the pool."""
+               multi_rows=None, drafts: DraftArrays | None = None, tree=None):
+    """A ragged batch of prefill chunks, decodes and (with drafts) verify rows.
+    tokens/positions/slots [N]; block_tables [B, M]; kv_lens [B]; cu_q [B + 1].
+    logits_idx [B, K]: the flat indices whose next token is drawn (a row's last known token, then
+    its draft nodes; K = 1 without drafts); steps [B * K] each draw's output index, sampling,
+    allowed (None or [B * K, ceil(V/32)] int32 token bitmasks) and penalties row-major likewise.
+    guard: the thinking guard's state at each row's last known token ([B]; after each node it
+    follows the draft). rows: hybrids' StateRows (None otherwise). multi_rows [Bp]: the rows
+    feeding several tokens (padded with B; None: any may): the reference attention gives only
+    those the ragged layout. drafts: spec.verify.DraftArrays [B, K - 1]; tree: None, or the
+    ancestor masks (tree_lo [B], anc [N]) when a draft is not a chain.
+    Returns the sampled token of every row (and logprobs), and the pool; with drafts, every
+    output is [B, K] in emission order (the root's draw, then one per accepted node) followed by
+    accepted [B] and path [B, K - 1] (spec.verify.accept)."""
+    B, K = logits_idx.shape
     with use(route):
         h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, route, rows,
-                              multi_rows)
-        logits = logits_from_hidden(params, cfg, h[logits_idx])                  # [B, V]
+                              multi_rows, tree)
+        logits = logits_from_hidden(params, cfg, h[logits_idx.reshape(-1)])     # [B * K, V]
+    if drafts is not None and guard is not None:       # the guard's state at each node, along the draft
+        is_open = node_states(guard.open, drafts, lambda o, t: guard.replace(open=o).after(t).open)
+        guard = guard.replace(open=is_open.reshape(-1), enabled=jnp.repeat(guard.enabled, K))
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
-    return replicated(sample(logits, steps, sampling, want_top, pen, allowed, guard)), kv
+    out = sample(logits, steps, sampling, want_top, pen, allowed, guard)
+    if drafts is None:
+        return replicated(out), kv
+    out = [o.reshape(B, K, *o.shape[1:]) for o in out]
+    emitted, accepted, path = accept(out[0], drafts)
+    out = [jnp.take_along_axis(o, emitted.reshape(B, K, *(1,) * (o.ndim - 2)), axis=1) for o in out]
+    return replicated((*out, accepted, path)), kv
 
 
 @partial(jax.jit, static_argnames=("cfg", "num_steps", "route", "want_top"), donate_argnames=("kv",))

@@ -142,15 +142,18 @@ def _attention_fns(route: Route):
     return pa.paged_decode_attention_reference, pa.ragged_paged_attention_reference
 
 
-def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, route: Route, multi_rows=None):
+def paged_attend(kv: PagedKV, slots, block_tables, kv_lens, cu_q, route: Route, multi_rows=None, tree=None):
     """-> (attend, pools): attend(j, q, k, v) writes attention layer j's k/v [1, N, nKV, hd] into the
     pool (of the route's KV format) at their slots and attends q [1, N, nH, hd] (ragged with cu_q,
     one token per row without), with the route's kernels;
     pools() gives the updated k, v (and scales) as PagedKV fields. multi_rows: see
-    ragged_paged_attention_reference (the kernels need no such hint)."""
+    ragged_paged_attention_reference (the kernels need no such hint). tree: None or (tree_lo [B],
+    anc [N]), the draft trees of a verify step (pallas_kernels/paged_attention.py)."""
     decode_fn, ragged_fn = _attention_fns(route)
     if multi_rows is not None and ragged_fn is pa.ragged_paged_attention_reference:
         ragged_fn = partial(ragged_fn, multi_rows=multi_rows)
+    if tree is not None:
+        ragged_fn = partial(ragged_fn, tree_lo=tree[0], anc=tree[1])
     k_pool, v_pool, k_scale, v_scale = list(kv.k), list(kv.v), list(kv.k_scale), list(kv.v_scale)
     k_esc, v_esc, lost = list(kv.k_esc), list(kv.v_esc), [kv.lost]
 

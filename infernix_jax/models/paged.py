@@ -12,15 +12,16 @@ from .qwen3_5.paged import hybrid_forward_paged
 
 
 def forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
-                  cu_q=None, route: Route = REFERENCE, rows=None, multi_rows=None):
+                  cu_q=None, route: Route = REFERENCE, rows=None, multi_rows=None, tree=None):
     """tokens, positions, slots [N]. With cu_q [B + 1] the tokens form a ragged batch (prefill
     chunks and decodes); without it there is one token per sequence (N == B, decode).
     K/V of every token are written at its slot before attending. Hybrids take `rows`
     (qwen3_5.paged.StateRows: where each row's tokens and state are). multi_rows [Bp]: the rows that
     feed several tokens (padded with B; None: any may), for the reference attention's cost.
-    route: the step's (route.py: kernels, KV format). Returns hidden [N, H], the pool."""
+    route: the step's (route.py: kernels, KV format). tree: a verify step's draft trees (None, or
+    (tree_lo [B], anc [N]): kv_pool.paged_attend). Returns hidden [N, H], the pool."""
     if cfg.layer_types:
         return hybrid_forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q,
-                                    route, rows, multi_rows)
+                                    route, rows, multi_rows, tree)
     return llama_forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, route,
-                               multi_rows)
+                               multi_rows, tree)

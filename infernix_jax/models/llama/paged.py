@@ -8,8 +8,8 @@ from .model import decoder
 
 
 def forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens, cu_q,
-                  route: Route, multi_rows=None):
+                  route: Route, multi_rows=None, tree=None):
     """models.paged.forward_paged for this family: tokens, positions, slots [N] -> hidden [N, H], the pool."""
-    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, route, multi_rows)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, route, multi_rows, tree)
     h = decoder(params, cfg, tokens[None], positions[None], attend, route=route)
     return h[0], kv.replace(**pools())

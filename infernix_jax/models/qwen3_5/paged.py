@@ -9,6 +9,12 @@ decode kernel on GPUs), and [rows, T] right-padded for the prefill chunks (the c
 inter-chunk pass in Pallas on GPUs), then
 scatter the outputs back to the flat axis. Padding reads state slot S (out of range: zeros) and
 its writes are dropped, and padded tokens get beta = g = 0: nothing leaks into any state.
+
+A verify step (speculative decoding) adds a third layout for the rows that end in drafts: their
+known tokens and then the draft nodes (a chain or a tree), run one token at a time as decode runs
+them, each node continuing from its parent's state, and the state written back is the one after the
+row's last known token. Whatever the target model rejects never reaches the pool: the next step
+feeds the accepted tokens again, as known ones (the engine's hybrid rule, engine/spec).
 (Snapshots of a slot, for the prefix cache: cache/device.py.)"""
 from __future__ import annotations
 
@@ -32,7 +38,10 @@ class StateRows:
     dec_slot [B]: its state slot (S, out of range, for other rows); dec_fresh [B] bool: the row
     starts its sequence here (its state starts at zero, whatever the slot held before).
     pre_tok [Bp, T]: flat indices of the rows that feed several tokens, right-padded with N;
-    pre_len, pre_slot, pre_fresh [Bp]. The pre_* fields are None when no row feeds several."""
+    pre_len, pre_slot, pre_fresh [Bp]. The pre_* fields are None when no row feeds several.
+    spec_tok [Bs, Ts]: flat indices of the rows ending in drafts (padded with N), spec_par [Bs, Ts]
+    each token's parent's index in its row (-1: the slot's state), spec_commit [Bs] the index whose
+    state is written back (the last known token), spec_slot, spec_fresh [Bs]; None without drafts."""
     dec_tok: jax.Array
     dec_slot: jax.Array
     dec_fresh: jax.Array
@@ -40,6 +49,11 @@ class StateRows:
     pre_len: jax.Array | None = None
     pre_slot: jax.Array | None = None
     pre_fresh: jax.Array | None = None
+    spec_tok: jax.Array | None = None
+    spec_par: jax.Array | None = None
+    spec_commit: jax.Array | None = None
+    spec_slot: jax.Array | None = None
+    spec_fresh: jax.Array | None = None
 
 
 def _gdn_fns(route: Route):
@@ -56,13 +70,45 @@ def _gdn_fns(route: Route):
 def _run_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, tok, slot, fresh, lens, fns, out):
     """One layout: tok [R, T] flat indices -> outputs scattered into out [N, Hv, dv], pools updated."""
     take = lambda arr: jnp.take(arr, tok, axis=0, mode="fill", fill_value=0)  # noqa: E731  [R, T, ...]
-    keep = ~fresh
-    cs = jnp.take(conv_pool, slot, axis=0, mode="fill", fill_value=0) * keep[:, None, None].astype(conv_pool.dtype)
-    ss = jnp.where(keep[:, None, None, None], jnp.take(ssm_pool, slot, axis=0, mode="fill", fill_value=0), 0.0)
+    cs, ss = _start_states(conv_pool, ssm_pool, slot, fresh)
     o, cs, ss = gdn_core(cfg, p, take(mixed), take(b), take(a), cs, ss, lens, *fns)
     conv_pool = conv_pool.at[slot].set(cs.astype(conv_pool.dtype), mode="drop")
     ssm_pool = ssm_pool.at[slot].set(ss, mode="drop")
     return out.at[tok].set(o, mode="drop"), conv_pool, ssm_pool
+
+
+def _start_states(conv_pool, ssm_pool, slot, fresh):
+    keep = ~fresh
+    cs = jnp.take(conv_pool, slot, axis=0, mode="fill", fill_value=0) * keep[:, None, None].astype(conv_pool.dtype)
+    ss = jnp.where(keep[:, None, None, None], jnp.take(ssm_pool, slot, axis=0, mode="fill", fill_value=0), 0.0)
+    return cs, ss
+
+
+def _run_spec_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, rows: StateRows, fns, out):
+    """The verify layout (module doc): each row's tokens in order, token j from the state after its
+    parent spec_par[j] (one decode step each), the state after spec_commit written back."""
+    tok, par, commit, slot = rows.spec_tok, rows.spec_par, rows.spec_commit, rows.spec_slot
+    R, T = tok.shape
+    take = lambda arr: jnp.take(arr, tok, axis=0, mode="fill", fill_value=0)  # noqa: E731  [R, T, ...]
+    xm, xb, xa = take(mixed), take(b), take(a)
+    cs0, ss0 = _start_states(conv_pool, ssm_pool, slot, rows.spec_fresh)
+    cs0 = cs0.astype(xm.dtype)
+    r = jnp.arange(R)
+
+    def one(carry, j):
+        convs, ssms = carry                              # [R, T, K-1, C], [R, T, Hv, dk, dv]: after each token
+        pj = par[:, j]
+        at = jnp.clip(pj, 0, T - 1)
+        cs = jnp.where((pj < 0)[:, None, None], cs0, convs[r, at])
+        ss = jnp.where((pj < 0)[:, None, None, None], ss0, ssms[r, at])
+        o, cs, ss = gdn_core(cfg, p, xm[:, j, None], xb[:, j, None], xa[:, j, None], cs, ss, None, *fns)
+        return (convs.at[:, j].set(cs), ssms.at[:, j].set(ss)), o[:, 0]
+
+    init = (jnp.zeros((R, T) + cs0.shape[1:], cs0.dtype), jnp.zeros((R, T) + ss0.shape[1:], jnp.float32))
+    (convs, ssms), o = jax.lax.scan(one, init, jnp.arange(T))                       # o [T, R, Hv, dv]
+    conv_pool = conv_pool.at[slot].set(convs[r, commit].astype(conv_pool.dtype), mode="drop")
+    ssm_pool = ssm_pool.at[slot].set(ssms[r, commit], mode="drop")
+    return out.at[tok].set(o.swapaxes(0, 1), mode="drop"), conv_pool, ssm_pool
 
 
 def _gdn_paged(cfg: ModelConfig, p, x, conv_pool, ssm_pool, rows: StateRows, fns):
@@ -74,14 +120,16 @@ def _gdn_paged(cfg: ModelConfig, p, x, conv_pool, ssm_pool, rows: StateRows, fns
     if rows.pre_tok is not None:
         out, conv_pool, ssm_pool = _run_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, rows.pre_tok,
                                              rows.pre_slot, rows.pre_fresh, rows.pre_len, fns, out)
+    if rows.spec_tok is not None:
+        out, conv_pool, ssm_pool = _run_spec_rows(cfg, p, mixed, b, a, conv_pool, ssm_pool, rows, fns, out)
     return gdn_output(cfg, p, out, z, x.dtype), conv_pool, ssm_pool
 
 
 def hybrid_forward_paged(params, cfg: ModelConfig, tokens, positions, slots, kv: PagedKV, block_tables, kv_lens,
-                         cu_q, route: Route, rows: StateRows, multi_rows=None):
+                         cu_q, route: Route, rows: StateRows, multi_rows=None, tree=None):
     """models.paged.forward_paged for hybrids: tokens, positions, slots [N] -> hidden [N, H], the cache."""
     conv, ssm = list(kv.conv), list(kv.ssm)
-    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, route, multi_rows)
+    attend, pools = paged_attend(kv, slots, block_tables, kv_lens, cu_q, route, multi_rows, tree)
     fns = _gdn_fns(route)
     eps = cfg.rms_norm_eps
     x = constrain(params["embed"][tokens][None], "batch", "seq", "embed")   # [1, N, H]

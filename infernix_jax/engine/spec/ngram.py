@@ -1,0 +1,69 @@
+"""Prompt lookup: the n-gram drafter. Agents copy (a file re-emitted with an edit, tool output
+quoted back, code echoed from the prompt), so the text that followed the latest earlier
+occurrence of a sequence's last few tokens is a good guess at what comes next.
+
+`propose` finds the longest suffix of the sequence (up to max_n tokens, at least min_n) that
+occurs earlier in its prompt and output, and proposes the k tokens that followed its latest
+occurrence. With tree_nodes > 0 it gathers the continuations of every occurrence of that suffix
+(two versions of a file: the same line followed by different text) into one tree, latest first,
+so that one round verifies them all. numpy over the token array: no index to keep up to date."""
+from __future__ import annotations
+
+import numpy as np
+
+from .draft import MAX_NODES, Draft
+
+
+def matches(ids: np.ndarray, min_n: int, max_n: int) -> tuple[int, np.ndarray]:
+    """(n, ends): the longest suffix length n in [min_n, max_n] of ids that occurs earlier, and the
+    indices just past each earlier occurrence (ascending); (0, []) when none does."""
+    L = len(ids)
+    if L < min_n + 1:
+        return 0, np.zeros(0, np.int64)
+    ends = np.flatnonzero(ids[:-1] == ids[-1]) + 1          # occurrences of the last token, ending before L
+    best_n, best = 0, ends[:0]
+    n = 1
+    while len(ends) and n <= max_n:
+        if n >= min_n:
+            best_n, best = n, ends
+        if n == max_n:
+            break
+        ok = ends - n - 1 >= 0
+        ends = ends[ok]
+        ends = ends[ids[ends - n - 1] == ids[L - n - 1]]
+        n += 1
+    return best_n, best
+
+
+def propose(ids: np.ndarray, k: int, min_n: int = 2, max_n: int = 8, tree_nodes: int = 0) -> Draft | None:
+    """A draft of up to k tokens deep (a chain, or with tree_nodes a tree of at most that many
+    nodes) for the sequence ids [L]; None when no suffix of min_n tokens recurs."""
+    n, ends = matches(ids, min_n, max_n)
+    if not n:
+        return None
+    L = len(ids)
+    if not tree_nodes:
+        e = int(ends[-1])
+        toks = ids[e:min(e + k, L)]
+        return Draft.chain(toks.tolist()) if len(toks) else None
+    cap = min(tree_nodes, MAX_NODES)
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}       # (parent, token) -> node
+    for e in ends[::-1]:                             # the latest occurrence first: it is the main chain
+        parent = -1
+        for t in ids[int(e):min(int(e) + k, L)].tolist():
+            node = children.get((parent, t))
+            if node is None:
+                if len(tokens) >= cap:
+                    break
+                node = children[(parent, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(parent)
+            parent = node
+        if len(tokens) >= cap:
+            break
+    return Draft(tokens, parents, "tree") if tokens else None
+
+
+__all__ = ["matches", "propose"]

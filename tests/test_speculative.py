@@ -1,0 +1,166 @@
+"""Speculative decoding (engine/spec): drafts verified in one step change nothing of the output.
+
+The drafts here come from an oracle that knows plain decoding's output (right, wrong at a chosen
+place, always wrong, or a tree with a decoy branch), so every path of the verify step is walked
+on purpose: greedy and seeded outputs equal plain decoding token for token, on a Llama and on both
+hybrids (whose recurrent state must roll back exactly), beside plain rows, under a grammar, and
+every block is released. The n-gram drafter and the policy are checked on their own."""
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from infernix_jax.engine import Engine, Request, SamplingParams
+from infernix_jax.engine.spec import Draft
+from infernix_jax.engine.spec import ngram
+from infernix_jax.engine.spec.policy import SeqStats, Speculator, expected_tokens
+from infernix_jax.loader import LoadedModel
+from infernix_jax.models import init_params
+from test_engine_hybrid import tiny_hybrid
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llama(smollm):
+    cfg = dataclasses.replace(smollm.cfg, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    return LoadedModel(name="tiny", path=smollm.path, cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(0), scale=0.5),
+                       tokenizer=smollm.tokenizer, dtype=smollm.dtype)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "qwen3_next"])
+def model(request, llama, smollm):
+    if request.param == "llama":
+        return llama
+    return tiny_hybrid(request.param, smollm.tokenizer, smollm.cfg.vocab_size)
+
+
+def prompts(count=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(10, 49000, n))) for n in rng.integers(3, 80, count)]
+
+
+def oracle(truth: dict, wrong=(), tree=False):
+    """A drafter proposing plain decoding's next tokens (truth: prompt -> output), with the draft
+    positions in `wrong` changed; tree: a decoy branch before the true chain."""
+    def draft(seq, ids, k):
+        toks = list(truth[tuple(seq.prompt_ids)][len(seq.out_ids):len(seq.out_ids) + k])
+        for w in wrong:
+            if w < len(toks):
+                toks[w] = (toks[w] + 1) % 1000 + 10
+        if not toks:
+            return None
+        if tree and len(toks) > 1:
+            decoy = [(toks[0] + 7) % 1000 + 10, toks[1]]
+            return Draft(decoy + toks, [-1, 0, -1] + list(range(2, len(toks) + 1)), "tree")
+        return Draft.chain(toks)
+    return draft
+
+
+def generate(model, ps, mode="off", drafter=None, temperature=0.0, seqs=4, **kw):
+    eng = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=64, decode_steps=3, speculative=mode, **kw)
+    if drafter is not None:
+        eng.spec.drafter = drafter
+    out = eng.generate([Request(p, SamplingParams(max_tokens=N_NEW, temperature=temperature, seed=i + 1,
+                                                  ignore_eos=True)) for i, p in enumerate(ps)])
+    assert eng.bm.num_free == eng.bm.num_blocks                    # every block released
+    if eng.hybrid:
+        assert sorted(eng.scheduler.free_slots) == list(range(eng.scheduler.max_num_seqs))
+    return [r.token_ids for r in out], eng
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_drafts_right_wrong_or_branching_change_nothing(model, temperature):
+    ps = prompts()
+    plain, _ = generate(model, ps, temperature=temperature)
+    truth = {tuple(p): o for p, o in zip(ps, plain)}
+    for wrong, tree, accepted in (((), False, "all"), ((2,), False, "some"), ((0,), False, "none"),
+                                  ((), True, "all")):
+        got, eng = generate(model, ps, "ngram", oracle(truth, wrong, tree), temperature)
+        assert got == plain, (wrong, tree)
+        st = eng.spec.stats["tree" if tree else "ngram"]
+        assert st.rounds > 0
+        if accepted == "all":
+            assert st.accepted == st.drafted
+        elif accepted == "none":
+            assert st.accepted == 0
+        else:
+            assert 0 < st.accepted < st.drafted
+
+
+def test_a_batch_mixing_drafting_and_plain_rows(llama):
+    """Half the requests draft (one of them a tree), half do not; a long prompt prefills in chunks
+    beside them: every output is plain decoding's."""
+    ps = prompts(8, seed=3) + [list(range(100, 400))]
+    plain, _ = generate(llama, ps, seqs=8)
+    truth = {tuple(p): o for p, o in zip(ps, plain)}
+    chain, tree = oracle(truth), oracle(truth, tree=True)
+
+    def some(seq, ids, k):
+        i = [tuple(p) for p in ps].index(tuple(seq.prompt_ids))
+        return None if i % 2 else (tree if i == 2 else chain)(seq, ids, k)
+    got, eng = generate(llama, ps, "ngram", some, seqs=8)
+    assert got == plain
+    assert eng.spec.stats["ngram"].rounds and eng.spec.stats["tree"].rounds
+
+
+def test_grammar_constrained_output_under_speculation(smollm):
+    """A JSON schema: each draft node's mask is the grammar's after the path to it; drafts that
+    break the grammar are rejected, and the text is plain decoding's."""
+    from infernix_jax.engine.constraints import grammar_from_json_schema
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    tok = smollm.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a JSON object with a name and a number."}])
+
+    def run(mode, drafter=None):
+        eng = Engine(smollm, max_num_seqs=2, speculative=mode)
+        if drafter is not None:
+            eng.spec.drafter = drafter
+        p = SamplingParams(max_tokens=40, temperature=0, grammar=grammar_from_json_schema(schema))
+        return eng.generate([Request(prompt, p)])[0], eng
+    plain, _ = run("off")
+    truth = {tuple(prompt): plain.token_ids + [0] * 8}
+    for wrong in ((), (1,)):
+        got, eng = run("ngram", oracle(truth, wrong))
+        assert got.token_ids == plain.token_ids and got.text == plain.text
+        assert eng.spec.stats["ngram"].rounds > 0
+    json.loads(plain.text)
+
+
+def test_ngram_finds_the_longest_recurring_suffix():
+    ids = np.asarray([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3], np.int32)
+    n, ends = ngram.matches(ids, 2, 8)
+    assert n == 3 and ends.tolist() == [3, 9]
+    assert ngram.propose(ids, 4).tokens == [7, 8, 1, 2]               # the latest occurrence
+    t = ngram.propose(ids, 3, tree_nodes=8)                             # both continuations, latest first
+    assert t.tokens == [7, 8, 1, 4, 5, 9] and t.parents == [-1, 0, 1, -1, 3, 4]
+    assert ngram.propose(np.asarray([1, 2, 3, 4], np.int32), 4) is None
+    assert ngram.propose(ids, 3, tree_nodes=4).tokens == [7, 8, 1, 4]   # capped at 4 nodes
+
+
+def test_draft_ancestors_and_depths():
+    d = Draft([5, 6, 7, 8], [-1, 0, -1, 2], "tree")
+    assert d.depths() == [1, 2, 1, 2]
+    assert d.ancestors().tolist() == [0b1, 0b11, 0b100, 0b1100]
+    assert d.path_tokens(3) == [7, 8] and not d.is_chain and Draft.chain([1, 2]).is_chain
+
+
+def test_auto_drafts_only_where_a_round_pays():
+    """The policy: with measured times where a verify step costs about a decode step (one stream
+    on a GPU), a likely draft is taken deep; where it costs 4x (a big batch), an unlikely one is not."""
+    assert expected_tokens(0.0, 5) == 1 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+    sp = Speculator("auto", 8)
+    sp.timings.decode = {1: 0.010}
+    sp.timings.mixed = {16: 0.011}
+    assert sp._depth(0.8, 8, 8, 1) == 8
+    sp.timings.decode = {64: 0.010}
+    sp.timings.mixed = {128: 0.040}
+    assert sp._depth(0.3, 8, 8, 64) == 0
+    st = SeqStats()
+    for _ in range(10):
+        st.observe("ngram", 8, 0)
+    assert st.alpha("ngram") < 0.2
