@@ -164,8 +164,8 @@ def add_engine_args(p):
                    help="draft tokens and verify them in one step: auto (default) where measured round times and "
                         "acceptance say it pays; ngram whenever an n-gram of the text recurs; off. The output is the "
                         "same token for token (greedy or seeded)")
-    g.add_argument("--num-speculative-tokens", type=int, default=8, metavar="K",
-                   help="the deepest draft a round verifies (default %(default)s)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="the deepest draft a round verifies (default 7 on the CPU, 15 on a GPU)")
     g.add_argument("--ngram-tree-nodes", type=int, default=0, metavar="N",
                    help="n-gram drafts as trees of up to N nodes: every earlier occurrence of the matched text "
                         "with another continuation (two versions of a file) verified in one round (default off)")

@@ -12,6 +12,9 @@
   infernix-bench serve [--starts 2] [--clients 1,8]
       the server over HTTP: start-up (first start compiling, then from the compilation cache), the
       first answer against the next, throughput of several clients against one (bench_serve.py)
+  infernix-bench spec [--new-tokens 256] [--workloads copy-edit,two-versions,free-chat]
+      speculative decoding off / ngram / tree / auto on workloads of its own, one stream, the real
+      --model: tok/s against off, acceptance (bench_spec.py)
   infernix-bench steps [--batches 1,8] [--prefill-lens 64,512] [--contexts 256]
       the reference attention's cost: a mixed step of a prompt chunk beside decodes, rows laid out
       against every row ragged (bench_steps.py)
@@ -77,7 +80,7 @@ def _transformers(model_spec: str, path, batch: int, prompt: list[int], new: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infernix-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul", "moe", "serve", "steps"],
+    p.add_argument("what", choices=["decode", "shapes", "gdn", "prefix", "qmatmul", "moe", "serve", "spec", "steps"],
                    help="decode: a real model on this machine vs transformers; shapes: random weights at "
                         "named real shapes (GPU), see scripts/bench_shapes.py; gdn: the Gated DeltaNet decode "
                         "kernel and chunked prefill at a real linear-layer shape (GPU), see scripts/bench_gdn.py; prefix: time to "
@@ -86,7 +89,8 @@ def main(argv=None) -> int:
                         "see scripts/bench_moe.py; "
                         "qmatmul: the fused dequantizing matmul at a shape's projections against bf16 (GPU), "
                         "see scripts/bench_quant.py; serve: the server's start-up and its throughput under "
-                        "several clients, see scripts/bench_serve.py; steps: the reference attention's mixed steps, "
+                        "several clients, see scripts/bench_serve.py; spec: speculative decoding's modes on "
+                        "workloads of its own, see scripts/bench_spec.py; steps: the reference attention's mixed steps, "
                         "see scripts/bench_steps.py")
     p.add_argument("--shape", default="qwen3-0.6b", help="for 'shapes': smollm2-135m, qwen3-0.6b, qwen3-8b, "
                                                           "qwen3-30b-a3b, qwen3.5-27b, qwen3.5-35b-a3b")
@@ -131,9 +135,24 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="our engine's context (default: prompt + new tokens); infernix-serve uses the model's")
 
+    p.add_argument("--workloads", default="copy-edit,two-versions,free-chat", help="for 'spec'")
+    p.add_argument("--modes", default="off,ngram,tree,auto", help="for 'spec' (off first: the reference)")
+
     def go():
         a = p.parse_args(argv)
         apply_route(a)
+        if a.what == "spec":
+            from scripts import bench_spec
+            from infernix_jax.loader import load_model
+            names, modes = [w for w in a.workloads.split(",") if w], [m for m in a.modes.split(",") if m]
+            known = ("copy-edit", "two-versions", "free-chat")
+            if set(names) - set(known) or set(modes) - set(bench_spec.MODES) or not modes or modes[0] != "off":
+                raise ValueError(f"spec: --workloads from {','.join(known)}; --modes from "
+                                 f"{','.join(bench_spec.MODES)}, off first")
+            new = 256 if a.new_tokens == p.get_default("new_tokens") else a.new_tokens
+            bench_spec.run(load_model(a.model, dtype=a.dtype, weights=a.weights), new, names, modes,
+                           None if a.out == p.get_default("out") else a.out)
+            return 0
         if a.what == "serve":
             from scripts import bench_serve
             if a.starts < 1 or a.requests < 1:

@@ -26,7 +26,8 @@ class EngineConfig:
     fair_turn_s: float = 1.0              # turns of output under KV pressure (0: oldest first)
     # speculative decoding (engine/spec): auto drafts where measured round times say it pays
     speculative: str = "auto"
-    num_speculative_tokens: int = 8       # the deepest draft
+    num_speculative_tokens: int | None = None   # the deepest draft (None: 7 on the CPU, 15 on a GPU: a
+                                                # verify step of one stream is then 8 or 16 tokens)
     ngram_tree_nodes: int = 0             # > 0: n-gram drafts as trees of up to this many nodes
     # the prefix cache and its tiers
     prefix_cache: bool = True
@@ -61,7 +62,7 @@ class EngineConfig:
         # (--kv-dtype is checked against the model by models/kv_pool.check_kv_dtype, when the engine starts)
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE)} (got {self.speculative!r})")
-        if not 1 <= self.num_speculative_tokens <= MAX_NODES - 1:
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= MAX_NODES - 1:
             raise ValueError(f"--num-speculative-tokens must be in 1..{MAX_NODES - 1}")
         if not 0 <= self.ngram_tree_nodes <= MAX_NODES:
             raise ValueError(f"--ngram-tree-nodes must be in 0..{MAX_NODES}")

@@ -121,8 +121,8 @@ class Engine:
         self.runner = Runner(model, self.plan.num_blocks, block_size, self.route, state_slots=max_num_seqs,
                              max_context=self.max_context, parallel=parallel)
         # speculative decoding (spec/): drafts proposed before each schedule, verified in the mixed step
-        self.spec = None if c.speculative == "off" else \
-            Speculator(c.speculative, c.num_speculative_tokens, c.ngram_tree_nodes)
+        self.spec_depth = c.num_speculative_tokens or (15 if on_gpu else 7)
+        self.spec = None if c.speculative == "off" else Speculator(c.speculative, self.spec_depth, c.ngram_tree_nodes)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
@@ -313,7 +313,7 @@ class Engine:
         """Decoding (hybrids: its accepted tokens of the last round fed again count as decoding),
         and no penalties (their token histories would change along a draft)."""
         return (seq.status is Status.RUNNING and bool(seq.out_ids) and seq.num_computed > 0
-                and seq.num_pending <= 1 + self.config.num_speculative_tokens and not seq.params.penalized)
+                and seq.num_pending <= 1 + self.spec_depth and not seq.params.penalized)
 
     def _fail_unpacked(self, plan) -> None:
         """--kv-dtype bf16p: a request whose K/V a step could not pack losslessly fails alone (its

@@ -315,9 +315,11 @@ class Runner:
         with a draft (seq.draft, the last of their n tokens) are verified (steps.mixed_step)."""
         seqs = [s for s, _ in plan]
         n_real = sum(n for _, n in plan)
-        N = steps.bucket(n_real)
+        drafted = max((len(s.draft) for s in seqs if s.draft), default=0)
+        # (a verify step of one stream: 4 and 8 tokens are shapes of their own: the CPU pays per token)
+        N = steps.bucket(n_real, minimum=4 if drafted else 16)
         B = steps.bucket(len(plan), minimum=1)
-        K = steps.bucket(1 + max((len(s.draft) for s in seqs if s.draft), default=0), minimum=1)
+        K = 1 + steps.bucket(drafted, minimum=1) if drafted else 1     # draws per row
         bs = self.block_size
         tokens = np.zeros((N,), np.int32)
         positions = np.zeros((N,), np.int32)

@@ -18,11 +18,16 @@ from ...choices import MAX_DRAFT_NODES as MAX_NODES     # (ancestor bits: one in
 class Draft:
     tokens: list[int]
     parents: list[int]
-    method: str = "ngram"            # who proposed it (the statistics are kept per method)
+    method: str = "ngram"            # who proposed it (the counts are kept per method)
+    kind: str = ""                   # the acceptance statistics' key (default: the method; the n-gram
+                                     # drafter tells long matches from short ones)
+
+    def __post_init__(self):
+        self.kind = self.kind or self.method
 
     @classmethod
-    def chain(cls, tokens, method: str = "ngram") -> "Draft":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), method)
+    def chain(cls, tokens, method: str = "ngram", kind: str = "") -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), method, kind)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -49,7 +54,7 @@ class Draft:
         """The first n nodes (a tree still: parents come first); None when n <= 0."""
         if n <= 0:
             return None
-        return Draft(self.tokens[:n], self.parents[:n], self.method) if n < len(self) else self
+        return Draft(self.tokens[:n], self.parents[:n], self.method, self.kind) if n < len(self) else self
 
     def path_tokens(self, i: int) -> list[int]:
         """The tokens from the root's first child down to node i."""

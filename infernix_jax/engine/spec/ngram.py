@@ -13,6 +13,8 @@ import numpy as np
 
 from .draft import MAX_NODES, Draft
 
+LONG = 4            # a match of this many tokens or more counts as long (its own acceptance statistics)
+
 
 def matches(ids: np.ndarray, min_n: int, max_n: int) -> tuple[int, np.ndarray]:
     """(n, ends): the longest suffix length n in [min_n, max_n] of ids that occurs earlier, and the
@@ -42,10 +44,11 @@ def propose(ids: np.ndarray, k: int, min_n: int = 2, max_n: int = 8, tree_nodes:
     if not n:
         return None
     L = len(ids)
+    kind = "ngram" if n >= LONG else "ngram-short"     # (a long match is most likely a copy going on)
     if not tree_nodes:
         e = int(ends[-1])
         toks = ids[e:min(e + k, L)]
-        return Draft.chain(toks.tolist()) if len(toks) else None
+        return Draft.chain(toks.tolist(), kind=kind) if len(toks) else None
     cap = min(tree_nodes, MAX_NODES)
     tokens: list[int] = []
     parents: list[int] = []
@@ -63,7 +66,7 @@ def propose(ids: np.ndarray, k: int, min_n: int = 2, max_n: int = 8, tree_nodes:
             parent = node
         if len(tokens) >= cap:
             break
-    return Draft(tokens, parents, "tree") if tokens else None
+    return Draft(tokens, parents, "tree", "tree" if n >= LONG else "tree-short") if tokens else None
 
 
 __all__ = ["matches", "propose"]

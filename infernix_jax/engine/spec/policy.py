@@ -3,8 +3,8 @@
 `--speculative ngram` drafts whenever the drafter finds something, as deep as allowed. `auto` (the
 default) drafts only where a round should pay: it keeps, per engine, the measured time of plain
 decode steps (per token, by batch size) and of mixed / verify steps (by token count), and per
-sequence and method an estimate of the chance a draft token is accepted, alpha. A chain of k
-tokens then emits E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens in one verify step; the depth with
+sequence and method the chance that a draft token at each depth holds (SeqStats). A draft k deep
+then emits E(k) tokens in one verify step; the depth with
 the best E(k) / t_verify is taken if that beats plain decoding's 1 / t_decode by a margin. Big
 batches are compute-bound, so there the extra tokens cost real time and auto stops drafting; a
 sequence whose drafts keep failing sees its alpha fall and stops too (a round now and then keeps
@@ -18,12 +18,12 @@ import numpy as np
 from ...choices import SPECULATIVE
 from .. import steps
 from . import ngram
-from .draft import Draft
+from .draft import MAX_NODES, Draft
 
-PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 2.0    # what a sequence's acceptance is taken to be before it drafts
-DECAY = 0.8                             # per round: recent rounds count most (a copy starts, then ends)
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # what a sequence's acceptance is taken to be before it drafts
+DECAY = 0.9                             # per round: recent rounds count most (a copy starts, then ends)
 MARGIN = 1.05                           # auto drafts when it expects >= 5 % more tokens per second
-RETRY = 16                              # auto, after declining: tokens until it looks again anyway
+PROBE_EVERY = 32                        # auto, while declining: a round every 32 tokens or so anyway
 
 
 @dataclasses.dataclass
@@ -43,27 +43,40 @@ class MethodStats:
 
 
 class SeqStats:
-    """One sequence's acceptance estimates (decayed successes and trials per method)."""
+    """One sequence's acceptance, per method and draft depth: of the (decayed) rounds that reached
+    depth j (all nodes before it held), how many held at j too. Drafts are often all or nothing (a
+    copy holds until the text departs from it), which one acceptance rate per token would miss:
+    past the first tokens of a copy the next one is much more likely to hold."""
 
     def __init__(self):
-        self.ok: dict[str, float] = {}
-        self.trials: dict[str, float] = {}
+        self.reach: dict[str, np.ndarray] = {}
+        self.hold: dict[str, np.ndarray] = {}
         self.counts: dict[str, MethodStats] = {}
-        self.wait = 0                      # auto: tokens to go before it considers drafting again
+        self.probe_at = 0                  # auto: the output length at which a declined sequence probes again
+
+    def holds(self, method: str, k: int) -> np.ndarray:
+        """[k]: the chance each depth 1..k holds, given those before it did."""
+        reach = self.reach.get(method, np.zeros(MAX_NODES))[:k]
+        hold = self.hold.get(method, np.zeros(MAX_NODES))[:k]
+        return (hold + PRIOR_ALPHA * PRIOR_WEIGHT) / (reach + PRIOR_WEIGHT)
 
     def alpha(self, method: str) -> float:
-        return (self.ok.get(method, 0.0) + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.trials.get(method, 0.0) + PRIOR_WEIGHT)
+        """The chance a first draft token holds."""
+        return float(self.holds(method, 1)[0])
+
+    def expected(self, method: str, k: int) -> float:
+        """Tokens a verify round of a k-deep draft emits (the target's own token included)."""
+        return 1.0 + float(np.cumprod(self.holds(method, k)).sum())
 
     def observe(self, method: str, depth: int, accepted: int) -> None:
-        """A round drafted `depth` tokens deep and `accepted` of them held: accepted successes, and
-        one failure unless all held."""
-        self.ok[method] = self.ok.get(method, 0.0) * DECAY + accepted
-        self.trials[method] = self.trials.get(method, 0.0) * DECAY + accepted + (accepted < depth)
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a verify round of a k-token chain emits when each holds with chance alpha."""
-    return float(sum(alpha ** i for i in range(k + 1)))
+        """A round drafted `depth` deep and `accepted` held: depths 1..accepted held, and the next
+        one (if drafted) was reached and failed."""
+        reach = self.reach.setdefault(method, np.zeros(MAX_NODES))
+        hold = self.hold.setdefault(method, np.zeros(MAX_NODES))
+        reach *= DECAY
+        hold *= DECAY
+        reach[:min(accepted + 1, depth)] += 1
+        hold[:accepted] += 1
 
 
 class Timings:
@@ -82,21 +95,29 @@ class Timings:
         if num_steps > 1:
             self._ema(self.decode, B, seconds / num_steps)
         else:
-            self._ema(self.mixed, steps.bucket(sum(n for _, n in plan)), seconds)
+            self._ema(self.mixed, self.tokens_bucket(sum(n for _, n in plan), any(s.draft for s, _ in plan)), seconds)
+
+    @staticmethod
+    def tokens_bucket(tokens: int, drafted: bool = True) -> int:
+        """A step's token count as the runner pads it (runner._mixed)."""
+        return steps.bucket(tokens, minimum=4 if drafted else 16)
 
     def plain(self, B: int) -> float | None:
         """Seconds per token of plain decoding at batch B (a decode dispatch's, else a 1-token step's)."""
         B = steps.bucket(B, minimum=1)
-        return self.decode.get(B) or self.mixed.get(steps.bucket(B))
+        return self.decode.get(B) or self.mixed.get(self.tokens_bucket(B, False))
 
     def verify(self, tokens: int) -> float | None:
-        """Seconds of a step of this many tokens: measured at its bucket, else scaled from the
-        nearest smaller bucket measured (by tokens: an upper bound while steps are overhead-bound)."""
-        N = steps.bucket(tokens)
+        """Seconds of a step of this many tokens: measured at its bucket, else scaled by tokens from
+        the nearest bucket measured (optimistic below it, so that auto tries a smaller step once
+        and measures it)."""
+        N = self.tokens_bucket(tokens)
         if N in self.mixed:
             return self.mixed[N]
-        below = [n for n in self.mixed if n < N]
-        return self.mixed[max(below)] * N / max(below) if below else None
+        if not self.mixed:
+            return None
+        near = min(self.mixed, key=lambda n: abs(n.bit_length() - N.bit_length()))
+        return self.mixed[near] * N / near
 
 
 class Speculator:
@@ -117,29 +138,30 @@ class Speculator:
         k = min(self.k, tokens_left - 1)        # (a round emits at most k + 1 tokens)
         if k < 1:
             return None
-        if self.mode == "auto" and st.wait > 0:
-            st.wait -= 1
-            return None
         ids = np.asarray(seq.all_ids, np.int32)
         d = self.drafter(seq, ids, k)
         if d is None or self.mode != "auto":
             return d
-        depth = self._depth(st.alpha(d.method), len(d) if d.is_chain else max(d.depths()), len(d), batch)
+        depth = self._depth(st, d.kind, len(d) if d.is_chain else max(d.depths()), len(d), batch)
         if depth == 0:
-            st.wait = RETRY
-            return None
-        return d if not d.is_chain else d.truncated(depth)
+            # not worth it by the estimate; now and then a round anyway, so that an estimate
+            # from a stretch of free text does not stop a copy that starts later
+            if len(seq.out_ids) < st.probe_at:
+                return None
+            st.probe_at = len(seq.out_ids) + PROBE_EVERY
+            return d
+        return d.truncated(depth) if d.is_chain else d
 
-    def _depth(self, alpha: float, depth: int, nodes: int, batch: int) -> int:
-        """auto: the draft depth worth verifying (0: none) for a sequence with this alpha, given a
-        draft `depth` deep of `nodes` nodes (a tree is taken whole or not at all)."""
+    def _depth(self, st: SeqStats, method: str, depth: int, nodes: int, batch: int) -> int:
+        """auto: the draft depth worth verifying (0: none) for a sequence with these statistics,
+        given a draft `depth` deep of `nodes` nodes (a tree is taken whole or not at all)."""
         plain = self.timings.plain(batch)
         best, best_rate = 0, 1.0 / plain if plain else None
         for k in (range(1, depth + 1) if nodes == depth else (depth,)):
             t = self.timings.verify(batch + (k if nodes == depth else nodes))
             if t is None or best_rate is None:
                 return depth              # nothing measured yet: draft, and measure
-            rate = expected_tokens(alpha, k) / t
+            rate = st.expected(method, k) / t
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = k, rate
         return best
@@ -147,7 +169,7 @@ class Speculator:
     def observe(self, seq, draft: Draft, accepted: int) -> None:
         depth = max(draft.depths())
         if seq.spec is not None:
-            seq.spec.observe(draft.method, depth, accepted)
+            seq.spec.observe(draft.kind, depth, accepted)
         for table in (self.stats, (seq.spec.counts if seq.spec is not None else {})):
             m = table.setdefault(draft.method, MethodStats())
             m.rounds += 1
@@ -155,4 +177,4 @@ class Speculator:
             m.accepted += accepted
 
 
-__all__ = ["SPECULATIVE", "MethodStats", "SeqStats", "Speculator", "Timings", "expected_tokens"]
+__all__ = ["SPECULATIVE", "MethodStats", "SeqStats", "Speculator", "Timings"]

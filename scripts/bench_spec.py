@@ -1,0 +1,73 @@
+"""infernix-bench spec: speculative decoding on workloads of its own, one stream, greedy.
+
+  copy-edit     a source file and the request to output it again with one name changed
+  two-versions  two versions of a file and the request to output the second with one more change
+                (n-gram trees: the same line followed by different text)
+  free-chat     a question with nothing to copy (speculation must not lose)
+
+Each workload runs with speculation off, ngram (chains), tree (--ngram-tree-nodes 16) and auto
+on the same engine settings; every mode's output must equal off's token for token (the bench
+fails otherwise). Decode tok/s is timed on the third run of each (the first two compile and fill
+the prefix cache, so prefill is a cache hit every time) and printed as a ratio against off,
+beside acceptance and tokens per verify round."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+MODES = {"off": dict(speculative="off"), "ngram": dict(speculative="ngram"),
+         "tree": dict(speculative="ngram", ngram_tree_nodes=16), "auto": dict(speculative="auto")}
+
+
+def workloads(tok) -> dict[str, list[int]]:
+    here = Path(__file__).resolve().parent.parent
+    code = (here / "infernix_jax" / "engine" / "stops.py").read_text()
+    v2 = code.replace("TextTracker", "StopTracker").replace("holdback", "keep_back")
+    chat = lambda text: tok.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    return {
+        "copy-edit": chat(f"Here is a Python file:\n\n{code}\n\nOutput the whole file again with the class "
+                          "TextTracker renamed to StopTracker. Output only the code."),
+        "two-versions": chat(f"Version 1 of a file:\n\n{code}\n\nVersion 2 of the same file:\n\n{v2}\n\nOutput "
+                             "version 2 again with the method `finish` renamed to `flush`. Output only the code."),
+        "free-chat": chat("Tell me a short story about a lighthouse keeper who befriends a seal."),
+    }
+
+
+def run(model, new_tokens: int, names: list[str], modes: list[str], out: str | None) -> dict:
+    from infernix_jax.engine import Engine, Request, SamplingParams
+    loads = workloads(model.tokenizer)
+    results = {}
+    for name in names:
+        prompt = loads[name]
+        row, plain = {}, None
+        for mode in modes:
+            eng = Engine(model, max_num_seqs=1, max_model_len=len(prompt) + new_tokens + 64, **MODES[mode])
+
+            def once(n):
+                t = time.perf_counter()
+                r = eng.generate([Request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))])[0]
+                return time.perf_counter() - t, r
+            once(new_tokens)
+            once(new_tokens)
+            t1, _ = once(1)               # the prefill (a cache hit) and the first token
+            t, r = once(new_tokens)
+            if plain is None:
+                plain = r.token_ids
+            elif r.token_ids != plain:
+                raise AssertionError(f"{name}: {mode}'s output differs from speculation off's")
+            tps = (new_tokens - 1) / max(t - t1, 1e-9)
+            st = {k: dict(rounds=v.rounds, drafted=v.drafted, accepted=v.accepted,
+                          acceptance=round(v.acceptance, 3), tokens_per_round=round(v.tokens_per_round, 2))
+                  for k, v in (eng.spec.stats.items() if eng.spec else ())}
+            row[mode] = dict(tok_s=round(tps, 2), methods=st)
+            base = row["off"]["tok_s"] if "off" in row else None
+            ratio = f"{tps / base:.2f}x off" if base else ""
+            acc = "; ".join(f"{k}: {v['acceptance']:.0%} accepted, {v['tokens_per_round']} tok/round"
+                            for k, v in st.items())
+            print(f"{name:13s} {mode:6s} {tps:8.1f} tok/s  {ratio:10s} {acc}", flush=True)
+        results[name] = row
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=1))
+    return results
