@@ -67,6 +67,16 @@ class Metrics:
         bm = engine.bm
         Gauge("infernix_kv_usage_ratio", "share of KV blocks in use", registry=r).set_function(
             lambda: 1.0 - bm.num_free / max(1, bm.num_blocks))
+        spec = engine.spec
+        if spec is not None:            # speculative decoding: per drafting method, since start
+            def counted(field, method):
+                return lambda: getattr(spec.stats.get(method), field, 0)
+            for name, field, doc in (("rounds", "rounds", "verify rounds"),
+                                     ("draft_tokens", "drafted", "draft tokens verified (a tree: its depth)"),
+                                     ("accepted_tokens", "accepted", "draft tokens the model agreed with")):
+                g = Gauge(f"infernix_spec_{name}", f"speculative decoding: {doc}", ["method"], registry=r)
+                for method in ("ngram", "tree"):
+                    g.labels(method=method).set_function(counted(field, method))
         cache = engine.cache
         if cache is not None:
             Gauge("infernix_prefix_cache_device_blocks", "KV blocks kept for reuse on the device (in use or not)",

@@ -203,7 +203,8 @@ def test_metrics_endpoint_and_keep_alive(server_url, client):
     text = r.text
     for name in ("infernix_requests_total", "infernix_generation_tokens_total", "infernix_queue_depth",
                  "infernix_time_to_first_token_seconds_bucket", "infernix_inter_token_latency_seconds_bucket",
-                 "infernix_kv_usage_ratio"):
+                 "infernix_kv_usage_ratio", 'infernix_spec_rounds{method="ngram"}',
+                 'infernix_spec_accepted_tokens{method="tree"}'):
         assert name in text, name
     assert 'infernix_requests_total{endpoint="chat.completions",status="200"}' in text
     assert httpx.get(server_url + "/health", timeout=30).headers.get("keep-alive") == "timeout=360"
