@@ -176,7 +176,7 @@ class Bench:
             c = min(chunk, n - a)
             args = (jnp.zeros((c,), jnp.int32), jnp.arange(a, a + c, dtype=jnp.int32),
                     jnp.arange(a, a + c, dtype=jnp.int32), jnp.arange(M, dtype=jnp.int32)[None], i32(a + c),
-                    i32(0, c), i32(c - 1), jnp.zeros((1,), jnp.int32), SamplingArrays.greedy(1))
+                    i32(0, c), i32(c - 1)[None], jnp.zeros((1,), jnp.int32), SamplingArrays.greedy(1))
             rows = StateRows(i32(c), i32(1), jnp.zeros((1,), bool), jnp.arange(c, dtype=jnp.int32)[None], i32(c),
                              i32(0), jnp.asarray([a == 0])) if self.cfg.layer_types else None
             calls.append((args, rows))

@@ -460,7 +460,8 @@ class Runner:
             op, args = "mixed", (np.zeros((N,), np.int32), np.zeros((N,), np.int32),
                                  np.full((N,), self.num_blocks * self.block_size, np.int32),
                                  np.zeros((B, M), np.int32), np.ones((B,), np.int32),
-                                 np.arange(B + 1, dtype=np.int32), zeros_b, zeros_b, SamplingArrays.greedy(B))
+                                 np.arange(B + 1, dtype=np.int32), np.zeros((B, 1), np.int32), zeros_b,
+                                 SamplingArrays.greedy(B))
             kw = dict(route=self.route, want_top=True,
                       penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size),
                       allowed=self._allowed([], B), guard=self._guard([], B), rows=self._padding_rows(B, N, Bp),
