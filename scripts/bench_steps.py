@@ -34,7 +34,8 @@ def run(model, cases: list[tuple[int, int]], context: int, out: str) -> list[dic
         multi = np.asarray([0], np.int32) if layout else None
         return lambda: r._device("mixed", np.zeros((N,), np.int32), np.zeros((N,), np.int32),
                                  np.full((N,), r.num_blocks * r.block_size, np.int32), np.zeros((B, M), np.int32),
-                                 np.full((B,), context, np.int32), cu, cu[1:] - 1, zb, SamplingArrays.greedy(B),
+                                 np.full((B,), context, np.int32), cu, (cu[1:] - 1)[:, None], zb,
+                                 SamplingArrays.greedy(B),
                                  route=r.route, want_top=True, penalties=None, allowed=r._allowed([], B),
                                  guard=None, rows=None, multi_rows=multi)
 

@@ -36,6 +36,7 @@ class ScriptedEngine:
         self.scheduler = types.SimpleNamespace(waiting=[], running=[])
         self.bm = types.SimpleNamespace(num_free=16, num_blocks=16)
         self.cache = None                    # no prefix cache
+        self.spec = None                     # no speculative decoding
 
     def start(self, warmup: bool = True) -> None:
         pass

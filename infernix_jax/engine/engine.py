@@ -471,6 +471,8 @@ class Engine:
         before = self.warm_keys(level)
         self._warm_queue = list(before)
         self._idle_keys = [k for k in self.earlier_shapes if k not in set(before)] if level != "none" else []
+        if self.spec is not None and level != "none":   # one stream's verify steps, after ready
+            self._idle_keys += [k for k in self.runner.verify_keys(self.spec_depth) if k not in set(self._idle_keys)]
         self.warm_state.update(done=0, total=len(before))
         if not before:
             self.ready.set()

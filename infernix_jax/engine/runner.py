@@ -364,6 +364,8 @@ class Runner:
             st = np.repeat(st, K) + depth.reshape(-1)
             pen = None if pen is None else jax.tree.map(lambda a: np.repeat(a, K, axis=0), pen)
             kw = dict(drafts=DraftArrays(d_tok, d_par), tree=(tree_lo, anc) if tree else None)
+            self.shapes.seen(shapes.verify(N, B, bt.shape[1], pen, 0 if multi is None else len(multi), K, tree,
+                                           *self._layout_sizes(rows)))
         else:
             self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, 0 if multi is None else len(multi)))
         out = self._device("mixed", tokens, positions, slots, bt, kv_lens, cu_q, logits_idx,
@@ -454,6 +456,21 @@ class Runner:
             kw = dict(num_steps=k, route=self.route, want_top=want_top,
                       penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
                       rows=self._padding_rows(B, B, 0), **self._ends([], B))
+        elif key[0] == "verify":
+            _, N, B, M, pen, Bp, K, tree, Bpre, Bs, Ts = key
+            R = B * K
+            op, args = "mixed", (np.zeros((N,), np.int32), np.zeros((N,), np.int32),
+                                 np.full((N,), self.num_blocks * self.block_size, np.int32),
+                                 np.zeros((B, M), np.int32), np.ones((B,), np.int32),
+                                 np.arange(B + 1, dtype=np.int32), np.zeros((B, K), np.int32), np.zeros((R,), np.int32),
+                                 SamplingArrays.greedy(R))
+            kw = dict(route=self.route, want_top=True,
+                      penalties=shapes.dummy_penalties(R, pen, self.cfg.vocab_size),
+                      allowed=self._allowed([], B, K), guard=self._guard([], B),
+                      rows=self._padding_rows(B, N, Bpre, Bs, Ts),
+                      multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None,
+                      drafts=DraftArrays(np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)),
+                      tree=(np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)) if tree else None)
         else:
             _, N, B, M, pen, Bp = key
             zeros_b = np.zeros((B,), np.int32)
@@ -475,14 +492,39 @@ class Runner:
     def done_warming(self) -> None:
         jax.block_until_ready(self.kv.k[0])
 
-    def _padding_rows(self, B: int, N: int, Bp: int) -> StateRows | None:
-        """Hybrids: StateRows of B rows over N tokens, Bp of them feeding several (0: none; all padding)."""
+    def _padding_rows(self, B: int, N: int, Bp: int, Bs: int = 0, Ts: int = 0) -> StateRows | None:
+        """Hybrids: StateRows of B rows over N tokens, Bp of them feeding several (0: none), Bs x Ts
+        verify rows (0: none); all padding."""
         if not self.hybrid:
             return None
         S = self.state_slots
         dec = (np.full((B,), N, np.int32), np.full((B,), S, np.int32), np.zeros((B,), bool))
+        spec = {}
+        if Bs:
+            spec = dict(spec_tok=np.full((Bs, Ts), N, np.int32), spec_par=np.full((Bs, Ts), -1, np.int32),
+                        spec_commit=np.zeros((Bs,), np.int32), spec_slot=np.full((Bs,), S, np.int32),
+                        spec_fresh=np.zeros((Bs,), bool))
         if not Bp:
-            return StateRows(*dec)
+            return StateRows(*dec, **spec)
         return StateRows(*dec, np.full((Bp, N), N, np.int32), np.zeros((Bp,), np.int32),
-                         np.full((Bp,), S, np.int32), np.zeros((Bp,), bool))
+                         np.full((Bp,), S, np.int32), np.zeros((Bp,), bool), **spec)
+
+    @staticmethod
+    def _layout_sizes(rows: StateRows | None) -> tuple[int, int, int]:
+        """(prefill rows, verify rows, verify tokens) of hybrids' state layouts (zeros otherwise)."""
+        if rows is None:
+            return 0, 0, 0
+        Bpre = 0 if rows.pre_tok is None else rows.pre_tok.shape[0]
+        return (Bpre, *((0, 0) if rows.spec_tok is None else rows.spec_tok.shape))
+
+    def verify_keys(self, depth: int) -> list[tuple]:
+        """The verify steps one stream meets with drafts of 1..depth tokens (chains, a short context):
+        the engine warms them while idle once ready."""
+        out = []
+        for d in range(1, depth + 1):      # (as _mixed pads them; hybrids: one known token)
+            N = steps.bucket(1 + d, minimum=4)
+            sizes = (0, 1, steps.bucket(1 + d, minimum=1)) if self.hybrid else (0, 0, 0)
+            out.append(shapes.verify(N, 1, self.table_width(1), None, 1 if self._row_layout else 0,
+                                     1 + steps.bucket(d, minimum=1), False, *sizes))
+        return list(dict.fromkeys(out))
 

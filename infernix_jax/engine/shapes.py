@@ -6,6 +6,10 @@ A key names everything a jitted step's compiled form depends on (all plain value
                                          Bp: the rows feeding several tokens, bucketed (0:
                                          none; hybrids lay their state rows out by it too)
   ("decode", B, M, k, want_top, pen)     k decode steps of B rows in one dispatch
+  ("verify", N, B, M, pen, Bp, K, tree, Bpre, Bs, Ts)
+                                         a mixed step with drafts (speculative decoding): K draws
+                                         per row, tree masks or not; hybrids' state layouts: Bpre
+                                         prefill rows, Bs x Ts verify rows (0 elsewhere)
   ("copy",)                              the prefix cache's block copy
 A mixed step always takes a token mask and returns the top log-probabilities (one compiled form
 whether or not a row is constrained or asks for logprobs); decode keeps want_top apart (it is the
@@ -34,6 +38,11 @@ log = logging.getLogger("infernix.engine")
 
 def mixed(N: int, B: int, M: int, pen: Penalties | None, Bp: int) -> tuple:
     return ("mixed", N, B, M, _pen(pen), Bp)
+
+
+def verify(N: int, B: int, M: int, pen: Penalties | None, Bp: int, K: int, tree: bool, Bpre: int = 0, Bs: int = 0,
+           Ts: int = 0) -> tuple:
+    return ("verify", N, B, M, _pen(pen), Bp, K, bool(tree), Bpre, Bs, Ts)
 
 
 def decode(B: int, M: int, k: int, want_top: bool, pen: Penalties | None) -> tuple:
@@ -131,7 +140,7 @@ RUN_CONTEXT = 2048
 def worth_running(key: tuple, block_size: int) -> bool:
     if key[0] == "copy":
         return True
-    M = key[3] if key[0] == "mixed" else key[2]
+    M = key[3] if key[0] in ("mixed", "verify") else key[2]
     return M * block_size <= RUN_CONTEXT
 
 
@@ -182,6 +191,6 @@ class Seen:
 
 def _key(k: list) -> tuple:
     """A key back from JSON (lists -> tuples), checked for its kind."""
-    if not isinstance(k, list) or not k or k[0] not in ("mixed", "decode", "copy"):
+    if not isinstance(k, list) or not k or k[0] not in ("mixed", "decode", "verify", "copy"):
         raise ValueError(f"not a step shape: {k!r}")
     return tuple(tuple(x) if isinstance(x, list) else x for x in k)

@@ -44,7 +44,7 @@ def propose(ids: np.ndarray, k: int, min_n: int = 2, max_n: int = 8, tree_nodes:
     if not n:
         return None
     L = len(ids)
-    kind = "ngram" if n >= LONG else "ngram-short"     # (a long match is most likely a copy going on)
+    kind = _kind("ngram", n, max_n)
     if not tree_nodes:
         e = int(ends[-1])
         toks = ids[e:min(e + k, L)]
@@ -66,7 +66,13 @@ def propose(ids: np.ndarray, k: int, min_n: int = 2, max_n: int = 8, tree_nodes:
             parent = node
         if len(tokens) >= cap:
             break
-    return Draft(tokens, parents, "tree", "tree" if n >= LONG else "tree-short") if tokens else None
+    return Draft(tokens, parents, "tree", _kind("tree", n, max_n)) if tokens else None
+
+
+def _kind(method: str, n: int, max_n: int) -> str:
+    """The acceptance statistics' key of a draft from an n-token match: a match of the whole window
+    is most likely a copy going on, a short one often chance."""
+    return f"{method}-{'short' if n < LONG else 'full' if n >= max_n else 'mid'}"
 
 
 __all__ = ["matches", "propose"]

@@ -23,7 +23,7 @@ from .draft import MAX_NODES, Draft
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # what a sequence's acceptance is taken to be before it drafts
 DECAY = 0.9                             # per round: recent rounds count most (a copy starts, then ends)
 MARGIN = 1.05                           # auto drafts when it expects >= 5 % more tokens per second
-PROBE_EVERY = 32                        # auto, while declining: a round every 32 tokens or so anyway
+PROBE_EVERY = 16                        # auto, while declining: a round every 16 tokens or so anyway
 
 
 @dataclasses.dataclass
