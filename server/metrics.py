@@ -29,6 +29,7 @@ class RequestStats:
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     stream: bool = False
     delivered: bool = False    # a stream's last event went out (the client may leave at once)
+    speculative: dict = dataclasses.field(default_factory=dict)   # method -> [rounds, drafted, accepted]
 
     def on_tokens(self) -> None:
         now = time.perf_counter()
@@ -38,7 +39,10 @@ class RequestStats:
             self.gaps.append(now - self.t_last)
         self.t_last = now
 
-    def on_done(self, prompt_tokens: int, completion_tokens: int, reason: str, cached_tokens: int = 0) -> None:
+    def on_done(self, prompt_tokens: int, completion_tokens: int, reason: str, cached_tokens: int = 0,
+                speculative: tuple = ()) -> None:
+        for method, *counts in speculative:       # (n choices: summed)
+            self.speculative[method] = [a + b for a, b in zip(self.speculative.get(method, [0, 0, 0]), counts)]
         self.prompt_tokens = max(self.prompt_tokens, prompt_tokens)
         self.cached_tokens = max(self.cached_tokens, cached_tokens)
         self.completion_tokens += completion_tokens
@@ -120,6 +124,9 @@ class Metrics:
                     "tokens_per_s": round(st.completion_tokens / (end - st.t_first), 2)
                     if st.t_first is not None and end > st.t_first else None,
                     "finish_reasons": st.finish_reasons, "client": client}
+            if st.speculative:       # per drafting method: verify rounds, draft tokens, accepted ones
+                line["speculative"] = {m: dict(rounds=r, drafted=d, accepted=a, acceptance=round(a / d, 3) if d else 0.0)
+                                       for m, (r, d, a) in st.speculative.items()}
             if error:
                 line["error"] = error
             with self._log_lock:

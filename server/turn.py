@@ -110,7 +110,7 @@ class Turn:
         out = [] if self.cut else self._finish(ev.finish_reason or "stop")
         reason = "tool_calls" if self.calls and (ev.finish_reason == "stop" or self.cut) else ev.finish_reason
         if self.stats is not None:
-            self.stats.on_done(ev.prompt_tokens, ev.completion_tokens, reason, ev.cached_tokens)
+            self.stats.on_done(ev.prompt_tokens, ev.completion_tokens, reason, ev.cached_tokens, ev.speculative)
         out.append(("done", Done(reason, ev.prompt_tokens, ev.completion_tokens, stop_sequence=ev.stop_sequence,
                                  cached_tokens=ev.cached_tokens)))
         return out

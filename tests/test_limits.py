@@ -18,7 +18,7 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 def limited(smollm, tmp_path_factory):
     log = tmp_path_factory.mktemp("reqlog") / "requests.jsonl"
     for url in start_server(tmp_path_factory, "--max-batch", "2", "--api-key", KEY, "--max-body-mb", "0.05", *SERVED_NAMES,
-                            "--max-pending-requests", "1", "--log-requests", str(log),
+                            "--max-pending-requests", "1", "--log-requests", str(log), "--speculative", "ngram",
                             "--override-generation-config", '{"temperature": 0, "max_new_tokens": 200}'):
         yield url, log
 
@@ -72,6 +72,9 @@ def test_pending_limit_and_request_log(limited):
     lines = [json.loads(ln) for ln in log.read_text().splitlines()]
     ok = [ln for ln in lines if ln["status"] == 200 and ln["endpoint"] == "chat.completions"]
     assert any(ln["stream"] and ln["completion_tokens"] == 150 and ln["ttft_s"] is not None for ln in ok)
+    # (--speculative ngram: 150 tokens of a small model repeat some pair of tokens; the log counts the rounds)
+    spec = [ln["speculative"]["ngram"] for ln in ok if ln["completion_tokens"] == 150]
+    assert spec and spec[0]["rounds"] > 0 and 0 <= spec[0]["accepted"] <= spec[0]["drafted"]
     assert any(ln["status"] == 429 for ln in lines)
     assert any(ln["status"] == 401 and ln["endpoint"] == "chat.completions" for ln in lines)   # refused early,
     assert any(ln["status"] == 413 for ln in lines)                                           # logged too

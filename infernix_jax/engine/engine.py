@@ -449,7 +449,9 @@ class Engine:
         self.scheduler.remove(seq)
         self._emit(seq, Event("done", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
                               completion_tokens=len(seq.out_ids), stop_sequence=seq.tracker.matched,
-                              cached_tokens=seq.num_cached))
+                              cached_tokens=seq.num_cached, speculative=tuple(
+                                  (m, c.rounds, c.drafted, c.accepted) for m, c in seq.spec.counts.items())
+                              if seq.spec is not None else ()))
 
     # ---- synchronous API (scripts, tests) ------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Result]:

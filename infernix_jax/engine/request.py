@@ -71,6 +71,7 @@ class Event:
     completion_tokens: int = 0
     stop_sequence: str | None = None  # done: the stop string that ended the output, if one did
     cached_tokens: int = 0            # done: prompt tokens taken from the prefix cache
+    speculative: tuple = ()           # done: (method, verify rounds, draft tokens, accepted) per drafting method
     message: str = ""
 
 
