@@ -1,14 +1,17 @@
 """infernix-bench spec: speculative decoding on workloads of its own, one stream, greedy.
 
   copy-edit     a source file and the request to output it again with one name changed
-  two-versions  two versions of a file and the request to output the second with one more change
-                (n-gram trees: the same line followed by different text)
+  two-versions  two versions of a file and the request to output the first (older) one with one more
+                change: the same lines are followed by different text in each version, and the
+                latest occurrence (the chain's guess) is the wrong one where they differ (n-gram trees
+                hold both)
   free-chat     a question with nothing to copy (speculation must not lose)
 
 Each workload runs with speculation off, ngram (chains), tree (--ngram-tree-nodes 16) and auto
 on the same engine settings; every mode's output must equal off's token for token (the bench
-fails otherwise). Decode tok/s is timed on the third run of each (the first two compile and fill
-the prefix cache, so prefill is a cache hit every time) and printed as a ratio against off,
+fails otherwise). Decode tok/s is the better of the third and fourth runs of each (the first two
+compile and fill the prefix cache, so prefill is a cache hit every time; a single run on a shared
+2-core machine varied by 15 %), less the prefill, and printed as a ratio against off,
 beside acceptance and tokens per verify round."""
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def workloads(tok) -> dict[str, list[int]]:
         "copy-edit": chat(f"Here is a Python file:\n\n{code}\n\nOutput the whole file again with the class "
                           "TextTracker renamed to StopTracker. Output only the code."),
         "two-versions": chat(f"Version 1 of a file:\n\n{code}\n\nVersion 2 of the same file:\n\n{v2}\n\nOutput "
-                             "version 2 again with the method `finish` renamed to `flush`. Output only the code."),
+                             "version 1 again with the method `finish` renamed to `flush`. Output only the code."),
         "free-chat": chat("Tell me a short story about a lighthouse keeper who befriends a seal."),
     }
 
@@ -50,8 +53,9 @@ def run(model, new_tokens: int, names: list[str], modes: list[str], out: str | N
                 return time.perf_counter() - t, r
             once(new_tokens)
             once(new_tokens)
-            t1, _ = once(1)               # the prefill (a cache hit) and the first token
-            t, r = once(new_tokens)
+            t1 = min(once(1)[0] for _ in range(2))       # the prefill (a cache hit) and the first token
+            (t, r), t_again = once(new_tokens), once(new_tokens)[0]
+            t = min(t, t_again)
             if plain is None:
                 plain = r.token_ids
             elif r.token_ids != plain:

@@ -20,7 +20,11 @@ from .. import steps
 from . import ngram
 from .draft import MAX_NODES, Draft
 
-PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # what a sequence's acceptance is taken to be before it drafts
+# what a draft token's chance to hold is taken to be before a sequence has drafted, by the n-gram
+# match behind it (a match of the whole window is most likely a copy going on; measured on the
+# bench's copy workloads: short matches held 0.5-1.2 tokens a round, mid and full ones 4-5 of 7)
+PRIORS = {"short": 0.3, "mid": 0.7, "full": 0.8}
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # (other kinds' prior; how many rounds a prior is worth)
 DECAY = 0.9                             # per round: recent rounds count most (a copy starts, then ends)
 MARGIN = 1.05                           # auto drafts when it expects >= 5 % more tokens per second
 PROBE_EVERY = 16                        # auto, while declining: a round every 16 tokens or so anyway
@@ -58,7 +62,8 @@ class SeqStats:
         """[k]: the chance each depth 1..k holds, given those before it did."""
         reach = self.reach.get(method, np.zeros(MAX_NODES))[:k]
         hold = self.hold.get(method, np.zeros(MAX_NODES))[:k]
-        return (hold + PRIOR_ALPHA * PRIOR_WEIGHT) / (reach + PRIOR_WEIGHT)
+        prior = PRIORS.get(method.rpartition("-")[2], PRIOR_ALPHA)
+        return (hold + prior * PRIOR_WEIGHT) / (reach + PRIOR_WEIGHT)
 
     def alpha(self, method: str) -> float:
         """The chance a first draft token holds."""
