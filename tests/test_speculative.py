@@ -31,11 +31,21 @@ def llama(smollm):
                        tokenizer=smollm.tokenizer, dtype=smollm.dtype)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.extended)])
-def model(request, llama, smollm):
-    if request.param == "llama":
-        return llama
-    return tiny_hybrid(request.param, smollm.tokenizer, smollm.cfg.vocab_size)
+CASES = [  # (model, temperature): the quick suite checks a Llama seeded and a hybrid greedy
+    ("llama", 0.9), ("qwen3_5", 0.0),
+    *(pytest.param(c, marks=pytest.mark.extended) for c in (("llama", 0.0), ("qwen3_5", 0.9), ("qwen3_next", 0.0),
+                                                            ("qwen3_next", 0.9)))]
+
+
+@pytest.fixture(scope="module")
+def models(llama, smollm):
+    built = {"llama": llama}
+
+    def get(name):
+        if name not in built:
+            built[name] = tiny_hybrid(name, smollm.tokenizer, smollm.cfg.vocab_size)
+        return built[name]
+    return get
 
 
 def prompts(count=6, seed=0):
@@ -72,8 +82,9 @@ def generate(model, ps, mode="off", drafter=None, temperature=0.0, seqs=4, **kw)
     return [r.token_ids for r in out], eng
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
-def test_drafts_right_wrong_or_branching_change_nothing(model, temperature):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'seeded' if c[1] else 'greedy'}")
+def test_drafts_right_wrong_or_branching_change_nothing(models, case):
+    model, temperature = models(case[0]), case[1]
     ps = prompts()
     plain, _ = generate(model, ps, temperature=temperature)
     truth = {tuple(p): o for p, o in zip(ps, plain)}

@@ -531,7 +531,8 @@ class Engine:
             elif w["done"] % 5 == 0:
                 log.info("warm-up: %d of %d step shapes (%.0f s)", w["done"], w["total"], w["seconds"])
         else:
-            self._warm_one(self._idle_keys.pop(0))
+            self._warm_one(self._idle_keys[0])
+            self._idle_keys.pop(0)           # (after: an empty list means nothing is compiling)
         return True
 
     def _loop(self) -> None:

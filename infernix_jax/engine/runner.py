@@ -518,10 +518,11 @@ class Runner:
         return (Bpre, *((0, 0) if rows.spec_tok is None else rows.spec_tok.shape))
 
     def verify_keys(self, depth: int) -> list[tuple]:
-        """The verify steps one stream meets with drafts of 1..depth tokens (chains, a short context):
+        """The verify steps one stream meets most (chains of 3 and of `depth` tokens, a short context):
         the engine warms them while idle once ready."""
         out = []
-        for d in range(1, depth + 1):      # (as _mixed pads them; hybrids: one known token)
+        for d in sorted({min(3, depth), depth}):   # (a short draft and a full one, as _mixed pads them;
+                                                   # hybrids: one known token)
             N = steps.bucket(1 + d, minimum=4)
             sizes = (0, 1, steps.bucket(1 + d, minimum=1)) if self.hybrid else (0, 0, 0)
             out.append(shapes.verify(N, 1, self.table_width(1), None, 1 if self._row_layout else 0,
