@@ -102,6 +102,7 @@ def test_drafts_right_wrong_or_branching_change_nothing(models, case):
             assert 0 < st.accepted < st.drafted
 
 
+@pytest.mark.extended
 def test_a_batch_mixing_drafting_and_plain_rows(llama):
     """Half the requests draft (one of them a tree), half do not; a long prompt prefills in chunks
     beside them: every output is plain decoding's."""
@@ -118,6 +119,7 @@ def test_a_batch_mixing_drafting_and_plain_rows(llama):
     assert eng.spec.stats["ngram"].rounds and eng.spec.stats["tree"].rounds
 
 
+@pytest.mark.extended
 def test_grammar_constrained_output_under_speculation(smollm):
     """A JSON schema: each draft node's mask is the grammar's after the path to it; drafts that
     break the grammar are rejected, and the text is plain decoding's."""
