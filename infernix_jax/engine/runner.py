@@ -456,8 +456,11 @@ class Runner:
             kw = dict(num_steps=k, route=self.route, want_top=want_top,
                       penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
                       rows=self._padding_rows(B, B, 0), **self._ends([], B))
-        elif key[0] == "verify":
-            _, N, B, M, pen, Bp, K, tree, Bpre, Bs, Ts = key
+        else:                      # "mixed", or "verify": a mixed step with K draws per row
+            if key[0] == "verify":
+                _, N, B, M, pen, Bp, K, tree, Bpre, Bs, Ts = key
+            else:
+                (_, N, B, M, pen, Bp), K, tree, Bpre, Bs, Ts = key, 1, False, key[5], 0, 0
             R = B * K
             op, args = "mixed", (np.zeros((N,), np.int32), np.zeros((N,), np.int32),
                                  np.full((N,), self.num_blocks * self.block_size, np.int32),
@@ -468,21 +471,10 @@ class Runner:
                       penalties=shapes.dummy_penalties(R, pen, self.cfg.vocab_size),
                       allowed=self._allowed([], B, K), guard=self._guard([], B),
                       rows=self._padding_rows(B, N, Bpre, Bs, Ts),
-                      multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None,
-                      drafts=DraftArrays(np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)),
-                      tree=(np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)) if tree else None)
-        else:
-            _, N, B, M, pen, Bp = key
-            zeros_b = np.zeros((B,), np.int32)
-            op, args = "mixed", (np.zeros((N,), np.int32), np.zeros((N,), np.int32),
-                                 np.full((N,), self.num_blocks * self.block_size, np.int32),
-                                 np.zeros((B, M), np.int32), np.ones((B,), np.int32),
-                                 np.arange(B + 1, dtype=np.int32), np.zeros((B, 1), np.int32), zeros_b,
-                                 SamplingArrays.greedy(B))
-            kw = dict(route=self.route, want_top=True,
-                      penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size),
-                      allowed=self._allowed([], B), guard=self._guard([], B), rows=self._padding_rows(B, N, Bp),
                       multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None)
+            if K > 1:
+                kw.update(drafts=DraftArrays(np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)),
+                          tree=(np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)) if tree else None)
         # (the same keywords as run(): jit keys its cache on them)
         self._device(op, *args, compile_only=True, **kw)
         if run:
