@@ -14,7 +14,9 @@ GGML_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "iq4_xs")
 # --attn-impl: the jnp reference (the CPU's default), the Pallas kernels (a GPU's), or the kernels in
 # Pallas' interpret mode (slow; for checking them on the CPU)
 ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
-# --speculative (engine/spec/policy.py): auto drafts where it pays, ngram always when it finds a match
-SPECULATIVE = ("auto", "off", "ngram")
+# --speculative (engine/spec/policy.py): auto drafts where it pays, ngram always when it finds a match,
+# mtp from the checkpoint's multi-token prediction head (Qwen3-Next / Qwen3.5)
+SPECULATIVE = ("auto", "off", "ngram", "mtp")
+MTP_DEPTH = 3          # the MTP head's default draft (each chained step reads the LM head once more)
 # the most draft nodes a row verifies at once (ancestor bits: one int32 per query)
 MAX_DRAFT_NODES = 32

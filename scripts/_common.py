@@ -162,10 +162,12 @@ def add_engine_args(p):
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative", choices=choices.SPECULATIVE, default="auto",
                    help="draft tokens and verify them in one step: auto (default) where measured round times and "
-                        "acceptance say it pays; ngram whenever an n-gram of the text recurs; off. The output is the "
-                        "same token for token (greedy or seeded)")
+                        "acceptance say it pays (n-gram copies, and the MTP head where the checkpoint has one); ngram "
+                        "whenever an n-gram of the text recurs; mtp: the checkpoint's multi-token prediction head "
+                        "(Qwen3-Next, Qwen3.5); off. The output is the same token for token (greedy or seeded)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="the deepest draft a round verifies (default 7 on the CPU, 15 on a GPU)")
+                   help="the deepest draft a round verifies (default: n-gram drafts 7 on the CPU, 15 on a GPU; "
+                        "the MTP head 3)")
     g.add_argument("--ngram-tree-nodes", type=int, default=0, metavar="N",
                    help="n-gram drafts as trees of up to N nodes: every earlier occurrence of the matched text "
                         "with another continuation (two versions of a file) verified in one round (default off)")

@@ -113,6 +113,9 @@ def main(argv=None) -> int:
                    help="shapes, with --tensor-parallel: expert-parallel groups (devices = TP x EP)")
     p.add_argument("--unfused", action="store_true", help="shapes: q/k/v and gate/up as separate products (the "
                                                           "loader fuses them: models/fuse.py), to measure the fusion")
+    p.add_argument("--mtp", type=int, default=0, metavar="N",
+                   help="shapes (qwen3.5 shapes): also time the decode steps with a one-layer MTP head drafting N "
+                        "tokens after each dispatch (--speculative mtp), against the same steps without it")
     p.add_argument("--out", default="bench-out")
     from infernix_jax.choices import GGML_FORMATS
     add_model_args(p, more_weights=GGML_FORMATS)      # shapes also takes a GGUF block type (random blocks)
@@ -136,7 +139,8 @@ def main(argv=None) -> int:
                    help="our engine's context (default: prompt + new tokens); infernix-serve uses the model's")
 
     p.add_argument("--workloads", default="copy-edit,two-versions,free-chat", help="for 'spec'")
-    p.add_argument("--modes", default="off,ngram,tree,auto", help="for 'spec' (off first: the reference)")
+    p.add_argument("--modes", default="off,ngram,tree,auto", help="for 'spec' (off first: the reference; mtp too "
+                                                                  "where the checkpoint has an MTP head)")
 
     def go():
         a = p.parse_args(argv)
@@ -231,7 +235,7 @@ def main(argv=None) -> int:
                 return 0
             bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
                              ints(a.torch_batches), a.attn_impl or "pallas", a.decode_steps, a.tune, a.weights,
-                             a.kv_dtype or "", fuse=not a.unfused)
+                             a.kv_dtype or "", fuse=not a.unfused, mtp_depth=a.mtp)
             return 0
         import jax
         from infernix_jax.loader import load_model

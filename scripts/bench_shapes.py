@@ -11,6 +11,7 @@
 Results go to stdout as JSON lines as they are measured, and to OUT/bench-<shape>.json and .png."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -68,8 +69,16 @@ def gguf_blocks(params: dict, fmt: str) -> dict:
 
 class Bench:
     def __init__(self, shape: str, out: Path, block_size: int = 16, decode_steps: int = 8, impl: str = "pallas",
-                 weights: str | None = None, kv_dtype: str = "", fuse: bool = True, parallel: Parallel | None = None):
+                 weights: str | None = None, kv_dtype: str = "", fuse: bool = True, parallel: Parallel | None = None,
+                 mtp_depth: int = 0):
         self.shape, self.cfg = shape, PRESETS[shape]
+        # --mtp N: the checkpoint's multi-token prediction head (one layer, as Qwen3.5's), timed in
+        # the decode steps beside the same steps without it (engine/spec/mtp.py)
+        self.mtp_depth = mtp_depth
+        if mtp_depth:
+            if not self.cfg.layer_types:
+                raise ValueError(f"--mtp: {shape} is not a Qwen3.5 / Qwen3-Next shape (the MTP head is theirs)")
+            self.cfg = dataclasses.replace(self.cfg, mtp_layers=1)
         self.suffix = (f"-{weights}" if weights else "") + (f"-kv{kv_dtype}" if kv_dtype else "") \
             + ("" if fuse else "-unfused") + (f"-tp{parallel.tensor}ep{parallel.expert}" if parallel else "")
         # several devices (sharding.py): the weights and pools split over a mesh, every step run on it;
@@ -131,7 +140,9 @@ class Bench:
                           "kv_dtype": self.results["kv_dtype"], **row}), flush=True)
         (self.out / f"bench-{self.shape}{self.suffix}.json").write_text(json.dumps(self.results, indent=1))
 
-    def decode(self, B: int, ctx: int, reps: int = 5, kv_budget_gib: float = 100.0) -> None:
+    def decode(self, B: int, ctx: int, reps: int = 5, kv_budget_gib: float = 100.0, mtp: bool = False) -> None:
+        """Decode steps at batch B and context ctx; mtp: with the MTP head's row at each step and its
+        chain of drafts after the last (the engine's --speculative mtp), against the plain row."""
         M = -(-(ctx + self.k) // self.bs)
         if B * M * self.bs * self.per_tok > kv_budget_gib * GiB:
             return self.emit("decode", {"batch": B, "context": ctx, "skipped": "KV does not fit"})
@@ -146,12 +157,13 @@ class Bench:
         st = jnp.zeros((B,), jnp.int32)
         samp = SamplingArrays.greedy(B)
         state = {"kv": kv}
+        head = dict(mtp_cap=jnp.full((B,), M * self.bs, jnp.int32), mtp_depth=self.mtp_depth) if mtp else {}
 
         def call():
             with sharding.use(self.mesh):
                 out, state["kv"] = steps.decode_steps(self.params, self.cfg, state["kv"], tok, pos, bt, valid, st,
                                                       samp, num_steps=self.k, route=self.route, want_top=False,
-                                                      rows=rows)
+                                                      rows=rows, **head)
             out[0].block_until_ready()
         t0 = time.perf_counter()
         call()
@@ -159,9 +171,14 @@ class Bench:
         sec = timed(call, reps)
         tok_s = B * self.k / sec
         roof = B * self.bw / self.step_bytes(B, ctx + self.k / 2)
-        self.emit("decode", {"batch": B, "context": ctx, "tok_s": round(tok_s, 1), "roofline_tok_s": round(roof, 1),
-                             "of_roofline": round(tok_s / roof, 3), "ms_per_step": round(1e3 * sec / self.k, 3),
-                             "compile_s": round(compile_s, 1)})
+        row = {"batch": B, "context": ctx, "tok_s": round(tok_s, 1), "roofline_tok_s": round(roof, 1),
+               "of_roofline": round(tok_s / roof, 3), "ms_per_step": round(1e3 * sec / self.k, 3),
+               "compile_s": round(compile_s, 1)}
+        if mtp:
+            plain = [r for r in self.results["decode"] if (r["batch"], r["context"]) == (B, ctx) and "tok_s" in r
+                     and "mtp_depth" not in r]
+            row.update(mtp_depth=self.mtp_depth, **({"vs_plain": round(tok_s / plain[-1]["tok_s"], 3)} if plain else {}))
+        self.emit("decode", row)
 
     def prefill(self, n: int, reps: int = 3, chunk: int = 8192) -> None:
         """One n-token prompt, fed as the engine feeds it: chunks of at most `chunk` tokens, each
@@ -446,10 +463,11 @@ def scaling(shape: str, out: str, batches, contexts, prefills, impl: str, decode
 
 def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torch_batches, impl: str,
         decode_steps: int, tune: bool = False, weights: str | None = None, kv_dtype: str = "",
-        fuse: bool = True) -> dict:
+        fuse: bool = True, mtp_depth: int = 0) -> dict:
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
-    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights, kv_dtype=kv_dtype, fuse=fuse)
+    b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights, kv_dtype=kv_dtype, fuse=fuse,
+              mtp_depth=mtp_depth)
     print(json.dumps({"shape": shape, "copy_GBps": round(b.bw / 1e9, 1), "weights_GiB": round(b.weights_bytes / GiB, 2)}),
           flush=True)
     if tune:
@@ -459,6 +477,8 @@ def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torc
     for ctx in contexts:
         for B in batches:
             b.decode(B, ctx)
+            if mtp_depth:
+                b.decode(B, ctx, mtp=True)
     for n in prefills:
         b.prefill(n)
     if torch_batches:

@@ -8,7 +8,7 @@
   free-chat     a question with nothing to copy (speculation must not lose)
 
 Each workload runs with speculation off, ngram (chains), tree (--ngram-tree-nodes 16) and auto
-on the same engine settings; every mode's output must equal off's token for token (the bench
+(and mtp, asked for, on a checkpoint with an MTP head) on the same engine settings; every mode's output must equal off's token for token (the bench
 fails otherwise). Decode tok/s is the better of the third and fourth runs of each (the first two
 compile and fill the prefix cache, so prefill is a cache hit every time; a single run on a shared
 2-core machine varied by 15 %), less the prefill, and printed as a ratio against off,
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 MODES = {"off": dict(speculative="off"), "ngram": dict(speculative="ngram"),
-         "tree": dict(speculative="ngram", ngram_tree_nodes=16), "auto": dict(speculative="auto")}
+         "tree": dict(speculative="ngram", ngram_tree_nodes=16), "auto": dict(speculative="auto"),
+         "mtp": dict(speculative="mtp")}       # (a checkpoint with an MTP head: Qwen3.5, Qwen3-Next)
 
 
 def workloads(tok) -> dict[str, list[int]]:

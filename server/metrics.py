@@ -79,7 +79,7 @@ class Metrics:
                                      ("draft_tokens", "drafted", "draft tokens verified (a tree: its depth)"),
                                      ("accepted_tokens", "accepted", "draft tokens the model agreed with")):
                 g = Gauge(f"infernix_spec_{name}", f"speculative decoding: {doc}", ["method"], registry=r)
-                for method in ("ngram", "tree"):
+                for method in ("ngram", "tree", *(("mtp",) if spec.mtp else ())):
                     g.labels(method=method).set_function(counted(field, method))
         cache = engine.cache
         if cache is not None:

@@ -172,6 +172,7 @@ def test_scoring_a_hybrid_in_pieces_carries_its_state(hybrid, prompts):
     whole = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference")
     pieces = window_logprobs(hybrid.params, hybrid.cfg, ids, hybrid.dtype, "reference", chunk=64)
     # the chunked delta rule sums in another order: a few log-probabilities of ~-9 move by ~2e-3 on
-    # some CPUs (AVX-512), the mean by 1.3e-5 on others (AMD EPYC); a lost state by whole units
-    np.testing.assert_allclose(pieces, whole, rtol=1e-4, atol=3e-3)
+    # some CPUs (AVX-512), by 4.5e-3 on another (AMD EPYC, 2026-12-07), the mean by 1.3e-5; a lost
+    # state by whole units
+    np.testing.assert_allclose(pieces, whole, rtol=1e-4, atol=8e-3)
     assert np.abs(pieces - whole).mean() < 1e-4

@@ -173,12 +173,12 @@ def test_auto_drafts_only_where_a_round_pays():
     sp.timings.mixed = {4: 0.011, 8: 0.011, 16: 0.011}
     for _ in range(6):
         st.observe("ngram", 8, 8)
-    assert sp._depth(st, "ngram", 8, 8, 1) == 8 and st.expected("ngram", 8) > 7
+    assert sp._depth(st, "ngram", 8, 8, 1)[0] == 8 and st.expected("ngram", 8) > 7
     sp.timings.decode = {64: 0.010}
     sp.timings.mixed = {64: 0.035, 128: 0.040}
     for _ in range(10):
         st.observe("ngram", 8, 0)
-    assert sp._depth(st, "ngram", 8, 8, 64) == 0
+    assert sp._depth(st, "ngram", 8, 8, 64)[0] == 0
     assert st.alpha("ngram") < 0.3 and st.expected("ngram", 8) < 2.5   # (deeper depths keep their record)
 
 

@@ -44,8 +44,8 @@ def host_block_layout(cfg, block_size: int, dtype, kv_dtype: str = ""):
     """-> (k shape, v shape, dtype) of one block as read_blocks hands it to the host tiers:
     [L, nKV, bs, hd] in the model dtype, or quantized [L, nKV, R] uint8 (codes, then scales)."""
     from pallas_kernels import kv_quant
-    from ..models.kv_pool import KV_DTYPES, num_attention_layers
-    L, nKV = num_attention_layers(cfg), cfg.num_kv_heads
+    from ..models.kv_pool import KV_DTYPES, num_kv_layers
+    L, nKV = num_kv_layers(cfg), cfg.num_kv_heads
     if not kv_dtype:
         return (L, nKV, block_size, cfg.head_dim), (L, nKV, block_size, cfg.head_dim), np.dtype(dtype)
     if kv_dtype == "bf16p":                  # codes, row bases, the block's escapes

@@ -26,8 +26,9 @@ class EngineConfig:
     fair_turn_s: float = 1.0              # turns of output under KV pressure (0: oldest first)
     # speculative decoding (engine/spec): auto drafts where measured round times say it pays
     speculative: str = "auto"
-    num_speculative_tokens: int | None = None   # the deepest draft (None: 7 on the CPU, 15 on a GPU: a
-                                                # verify step of one stream is then 8 or 16 tokens)
+    num_speculative_tokens: int | None = None   # the deepest draft (None: n-gram drafts 7 on the CPU, 15
+                                                # on a GPU, a verify step of one stream is then 8 or 16
+                                                # tokens; the MTP head choices.MTP_DEPTH)
     ngram_tree_nodes: int = 0             # > 0: n-gram drafts as trees of up to this many nodes
     # the prefix cache and its tiers
     prefix_cache: bool = True

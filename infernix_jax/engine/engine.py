@@ -31,7 +31,9 @@ from ..cache.ssd_tier import SSDTier
 from .scheduler import Scheduler
 from ..cache.snapshots import SnapshotStore
 from ..route import Route
+from ..choices import MTP_DEPTH
 from .sequence import Sequence, Status
+from .spec.mtp import use_mtp
 from .spec.policy import Speculator
 from .stops import TextTracker
 
@@ -64,6 +66,8 @@ class Engine:
         """config: the engine's settings (EngineConfig); keywords change single ones of it
         (`Engine(model, max_num_seqs=4)`), checked as the command line's are."""
         c = self.config = (config or EngineConfig()).replace(**settings)
+        # the MTP head runs (and has a K/V layer in the pool) only where it drafts: spec/mtp.py
+        model, mtp = use_mtp(model, c.speculative)
         from ..models.kv_pool import check_kv_dtype
         check_kv_dtype(c.kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
         state_snapshots, parallel, kv_dtype, block_size = c.state_snapshots, c.parallel, c.kv_dtype, c.block_size
@@ -122,7 +126,11 @@ class Engine:
                              max_context=self.max_context, parallel=parallel)
         # speculative decoding (spec/): drafts proposed before each schedule, verified in the mixed step
         self.spec_depth = c.num_speculative_tokens or (15 if on_gpu else 7)
-        self.spec = None if c.speculative == "off" else Speculator(c.speculative, self.spec_depth, c.ngram_tree_nodes)
+        self.spec = None if c.speculative == "off" else Speculator(c.speculative, self.spec_depth, c.ngram_tree_nodes,
+                                                                   mtp=mtp)
+        if mtp:          # every step drafts with the head; the scheduler keeps slots ahead for its chain
+            self.runner.mtp_depth = self.scheduler.lookahead = min(c.num_speculative_tokens or MTP_DEPTH,
+                                                                   self.spec_depth)
         self.eos_ids = tuple(self.tokenizer.eos_ids if self.tokenizer else self.cfg.eos_token_ids)
         self.think_ids = _think_ids(self.tokenizer, self.eos_ids)
         self.runner.think_ids = self.think_ids
@@ -339,7 +347,7 @@ class Engine:
         for (seq, n), out in zip(plan, outs):
             if seq.status is not Status.RUNNING:
                 continue
-            draft, seq.draft = seq.draft, None
+            draft, seq.draft, seq.mtp_next = seq.draft, None, None
             if k == 1:
                 seq.num_computed += n - (len(draft) if draft else 0)
                 if seq.num_pending > 0:          # a prefill chunk that did not reach the end
@@ -368,6 +376,8 @@ class Engine:
                     break
             if draft is not None:
                 self._verified(seq, draft, out, taken)
+            if out.mtp and taken == len(out.ids):      # the head drafted after the last token emitted
+                seq.mtp_next = (len(seq), out.mtp)
             if seq.status is Status.RUNNING:
                 seq.state_dirty = False
                 self.bm.seal_full_blocks(seq)

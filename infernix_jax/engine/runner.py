@@ -21,6 +21,7 @@ from . import shapes, steps
 from .sampler import Penalties, SamplingArrays, ThinkGuard
 from .sequence import Sequence
 from .spec import DraftArrays
+from .spec.mtp import MtpRows, usable
 
 
 class StepOutput:
@@ -28,9 +29,10 @@ class StepOutput:
     A verify row (one with a draft): the k = accepted + 1 tokens to emit, and the accepted nodes
     (path, in order)."""
 
-    def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=()):
+    def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=(), mtp=None):
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
         self.accepted, self.path = accepted, path
+        self.mtp = mtp          # the MTP head's drafts after the last emitted token (spec/mtp.py), or None
 
 
 log = logging.getLogger("infernix.engine")
@@ -62,6 +64,7 @@ class Runner:
         self.think_ids = None      # (<think>, </think>, banned ids) when the model has thinking tokens
         self.max_prefill_rows = None   # hybrids: the scheduler's cap on rows feeding several tokens
         self.hybrid = bool(self.cfg.layer_types)
+        self.mtp_depth = 0           # > 0: every step runs the MTP head and drafts this many (spec/mtp.py)
         self.state_slots = state_slots if self.hybrid else 0
         self.max_context = max_context or self.cfg.max_position_embeddings     # outputs end there (_ends)
         self._op_reset_kv()
@@ -331,6 +334,7 @@ class Runner:
         d_tok, d_par = np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)
         tree = any(s.draft and not s.draft.is_chain for s in seqs)
         tree_lo, anc = np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)
+        mtp = self._mtp_rows(N, B) if self.mtp_depth else None
         off = 0
         for i, (s, n) in enumerate(plan):
             d = s.draft
@@ -353,6 +357,12 @@ class Runner:
                 d_tok[i, :nd], d_par[i, :nd] = d.tokens, d.parents
                 tree_lo[i] = at[known - 1] + 1
                 anc[off + known:off + n] = d.ancestors()
+            if mtp is not None:
+                mtp.node[off:off + known], mtp.row[off:off + n], mtp.last[i] = -1, i, off + known - 1
+                mtp.node[off + known:off + n] = np.arange(nd)
+                mtp.cap[i] = len(s.block_ids) * bs
+                if s.num_computed + known < len(s.prompt_ids):       # a chunk that does not end the prompt
+                    mtp.after[i] = s.prompt_ids[s.num_computed + known]
             off += n
         sampling, st = self._sampling(seqs, B)
         bt, pen, allowed, rows = self._block_table(seqs, B), self._penalties(seqs, B), self._allowed(plan, B, K), \
@@ -368,19 +378,36 @@ class Runner:
                                            *self._layout_sizes(rows)))
         else:
             self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, 0 if multi is None else len(multi)))
+        if mtp is not None:
+            kw.update(mtp=mtp, mtp_depth=self.mtp_depth)
         out = self._device("mixed", tokens, positions, slots, bt, kv_lens, cu_q, logits_idx,
                            st, sampling, route=self.route, want_top=True,
                            penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows, multi_rows=multi,
                            **kw)
         out = jax.device_get(out)
+        nxt = None
+        if mtp is not None:
+            *out, nxt = out
         if K == 1:
-            return [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
-        *out, accepted, path = out
-        res = []
-        for i, s in enumerate(seqs):
-            a = int(accepted[i]) if s.draft else 0
-            res.append(StepOutput(*(x[i, :a + 1] for x in out), accepted=a, path=tuple(int(j) for j in path[i, :a])))
+            res = [StepOutput(*(a[i:i + 1] for a in out)) for i in range(len(plan))]
+        else:
+            *out, accepted, path = out
+            res = []
+            for i, s in enumerate(seqs):
+                a = int(accepted[i]) if s.draft else 0
+                res.append(StepOutput(*(x[i, :a + 1] for x in out), accepted=a,
+                                      path=tuple(int(j) for j in path[i, :a])))
+        if nxt is not None:           # the head's row of each: its last known token, or its last accepted node
+            for i, (s, n) in enumerate(plan):
+                at = s.num_computed + n - (len(s.draft) if s.draft else 0) - 1 + res[i].accepted
+                res[i].mtp = usable(nxt[i], at, int(mtp.cap[i]))
         return res
+
+    def _mtp_rows(self, N: int, B: int) -> MtpRows:
+        """MtpRows of padding, for _mixed to fill in (and warm to run)."""
+        return MtpRows(node=np.full((N,), -2, np.int32), row=np.full((N,), B, np.int32),
+                       last=np.full((B,), N, np.int32), after=np.full((B,), -1, np.int32),
+                       cap=np.zeros((B,), np.int32))
 
     def multi_bucket(self, count: int, B: int) -> int:
         """Slots for `count` rows feeding several tokens in a step of B rows: 0, 1 (the common case:
@@ -422,12 +449,22 @@ class Runner:
         sampling, st = self._sampling(seqs, B)
         bt, pen = self._block_table(seqs, B), self._penalties(seqs, B)
         self.shapes.seen(shapes.decode(B, bt.shape[1], k, want_top, pen))
+        cap = np.zeros((B,), np.int32)
+        cap[:len(seqs)] = [len(s.block_ids) * self.block_size for s in seqs]
+        mtp = dict(mtp_cap=cap, mtp_depth=self.mtp_depth) if self.mtp_depth else {}
         out = self._device("decode", tokens, positions, bt, valid, st, sampling,
                            num_steps=k, route=self.route, want_top=want_top,
                            penalties=pen, guard=self._guard(seqs, B),
-                           rows=self._state_rows([(s, 1) for s in seqs], B, B), **self._ends(seqs, B))
+                           rows=self._state_rows([(s, 1) for s in seqs], B, B), **self._ends(seqs, B), **mtp)
         out = jax.device_get(out)                                   # each [k, B] (or [k, B, TOP])
-        return [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
+        nxt = None
+        if mtp:
+            *out, nxt = out
+        res = [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
+        if nxt is not None:
+            for i, r in enumerate(res):
+                r.mtp = usable(nxt[i], int(positions[i]) + k - 1, int(cap[i]))
+        return res
 
     def _ends(self, seqs: list[Sequence], B: int) -> dict:
         """Where each row's output ends on the device (decode_steps writes no K/V past it and freezes
@@ -456,6 +493,8 @@ class Runner:
             kw = dict(num_steps=k, route=self.route, want_top=want_top,
                       penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
                       rows=self._padding_rows(B, B, 0), **self._ends([], B))
+            if self.mtp_depth:
+                kw.update(mtp_cap=np.zeros((B,), np.int32), mtp_depth=self.mtp_depth)
         else:                      # "mixed", or "verify": a mixed step with K draws per row
             if key[0] == "verify":
                 _, N, B, M, pen, Bp, K, tree, Bpre, Bs, Ts = key
@@ -475,6 +514,8 @@ class Runner:
             if K > 1:
                 kw.update(drafts=DraftArrays(np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)),
                           tree=(np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)) if tree else None)
+            if self.mtp_depth:
+                kw.update(mtp=self._mtp_rows(N, B), mtp_depth=self.mtp_depth)
         # (the same keywords as run(): jit keys its cache on them)
         self._device(op, *args, compile_only=True, **kw)
         if run:

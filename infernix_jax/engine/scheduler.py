@@ -51,6 +51,7 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.chunked = chunked_prefill
         self.decode_steps = decode_steps
+        self.lookahead = 0                    # slots kept ahead of a running sequence when free (the MTP head's chain)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -179,6 +180,13 @@ class Scheduler:
         return n > 1 and self.max_prefill_rows is not None and \
             sum(m > 1 for _, m in plan) >= self.max_prefill_rows
 
+    def _grow(self, seq: Sequence, n: int) -> None:
+        """Blocks for the n tokens seq feeds, and the lookahead's too where blocks are free (never
+        preempting for them: the MTP head's chain stops where its slots do, spec/mtp.py)."""
+        self.bm.grow(seq, seq.num_computed + n)
+        if self.lookahead and self.bm.can_grow(seq, seq.num_computed + n + self.lookahead):
+            self.bm.grow(seq, seq.num_computed + n + self.lookahead)
+
     def schedule(self) -> tuple[list[tuple[Sequence, int]], int]:
         """Returns [(seq, tokens to feed)] and the number of decode steps to run (> 1 only when every
         scheduled sequence is decoding and nothing is waiting that could be admitted)."""
@@ -209,7 +217,7 @@ class Scheduler:
             if not self.bm.can_grow(seq, seq.num_computed + n):
                 self._preempt(seq)
                 continue
-            self.bm.grow(seq, seq.num_computed + n)
+            self._grow(seq, n)
             plan.append((seq, n))
             budget -= n
             if seq.turn_out is None and seq.decoding:
@@ -222,7 +230,7 @@ class Scheduler:
             self.waiting.popleft()
             if self.state_slots:
                 seq.state_slot = self.free_slots.pop()
-            self.bm.grow(seq, seq.num_computed + n)
+            self._grow(seq, n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan.append((seq, n))

@@ -44,6 +44,7 @@ class Sequence:
         self.think_from = 0                   # index in out_ids where the open thinking block began
         self.draft = None                     # spec.Draft: the tokens this step verifies after the known ones
         self.spec = None                      # spec.policy.SeqStats: its drafting statistics (speculation on)
+        self.mtp_next = None                  # (length, tokens): the MTP head's drafts after its first `length` tokens
 
     @property
     def all_ids(self) -> list[int]:

@@ -15,8 +15,10 @@ from ..models import forward
 from ..models.llama import KVCache, logits_from_hidden
 from ..models.kv_pool import PagedKV
 from ..models.paged import forward_paged
+from ..models.qwen3_5.mtp import mtp_chain, mtp_context
 from ..route import REFERENCE, Route, use
 from .sampler import Penalties, SamplingArrays, ThinkGuard, sample
+from .spec.mtp import MtpRows, step_drafts
 from .spec.verify import DraftArrays, accept, node_states
 
 
@@ -28,11 +30,12 @@ def bucket(n: int, minimum: int = 16) -> int:
     return b
 
 
-@partial(jax.jit, static_argnames=("cfg", "route", "want_top"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "route", "want_top", "mtp_depth"), donate_argnames=("kv",))
 def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, block_tables, kv_lens, cu_q,
                logits_idx, steps, sampling: SamplingArrays, route: Route = REFERENCE, want_top: bool = False,
                penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None, rows=None,
-               multi_rows=None, drafts: DraftArrays | None = None, tree=None):
+               multi_rows=None, drafts: DraftArrays | None = None, tree=None, mtp: MtpRows | None = None,
+               mtp_depth: int = 0):
     """A ragged batch of prefill chunks, decodes and (with drafts) verify rows.
     tokens/positions/slots [N]; block_tables [B, M]; kv_lens [B]; cu_q [B + 1].
     logits_idx [B, K]: the flat indices whose next token is drawn (a row's last known token, then
@@ -43,9 +46,11 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
     feeding several tokens (padded with B; None: any may): the reference attention gives only
     those the ragged layout. drafts: spec.verify.DraftArrays [B, K - 1]; tree: None, or the
     ancestor masks (tree_lo [B], anc [N]) when a draft is not a chain.
+    mtp: the MTP head's rows (spec/mtp.py; None: the engine does not draft with it), mtp_depth its
+    drafts per row.
     Returns the sampled token of every row (and logprobs), and the pool; with drafts, every
     output is [B, K] in emission order (the root's draw, then one per accepted node) followed by
-    accepted [B] and path [B, K - 1] (spec.verify.accept)."""
+    accepted [B] and path [B, K - 1] (spec.verify.accept); with mtp, the head's drafts [B, mtp_depth] last."""
     B, K = logits_idx.shape
     with use(route):
         h, kv = forward_paged(params, cfg, tokens, positions, slots, kv, block_tables, kv_lens, cu_q, route, rows,
@@ -56,19 +61,25 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
         guard = guard.replace(open=is_open.reshape(-1), enabled=jnp.repeat(guard.enabled, K))
     pen = None if penalties is None else (*penalties.dense(*logits.shape), penalties)
     out = sample(logits, steps, sampling, want_top, pen, allowed, guard)
-    if drafts is None:
-        return replicated(out), kv
-    out = [o.reshape(B, K, *o.shape[1:]) for o in out]
-    emitted, accepted, path = accept(out[0], drafts)
-    out = [jnp.take_along_axis(o, emitted.reshape(B, K, *(1,) * (o.ndim - 2)), axis=1) for o in out]
-    return replicated((*out, accepted, path)), kv
+    extra, ids, accepted, path = (), out[0][:, None], None, None
+    if drafts is not None:
+        out = [o.reshape(B, K, *o.shape[1:]) for o in out]
+        emitted, accepted, path = accept(out[0], drafts)
+        out = [jnp.take_along_axis(o, emitted.reshape(B, K, *(1,) * (o.ndim - 2)), axis=1) for o in out]
+        extra, ids = (accepted, path), out[0]
+    if mtp is not None:
+        with use(route):
+            nxt, kv = step_drafts(params, cfg, kv, h, tokens, positions, slots, block_tables, kv_lens, cu_q, route,
+                                  multi_rows, tree, mtp, ids, accepted, path, logits_idx, mtp_depth)
+        extra = (*extra, nxt)
+    return replicated((*out, *extra)), kv
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_steps", "route", "want_top"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "num_steps", "route", "want_top", "mtp_depth"), donate_argnames=("kv",))
 def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
                  sampling: SamplingArrays, num_steps: int, route: Route = REFERENCE, want_top: bool = False,
                  penalties: Penalties | None = None, guard: ThinkGuard | None = None, rows=None,
-                 stop_ids=None, remaining=None):
+                 stop_ids=None, remaining=None, mtp_cap=None, mtp_depth: int = 0):
     """num_steps decode steps in one dispatch. tokens (each row's last sampled token), positions (its
     position), steps [B]; valid [B] bool marks real rows; rows: hybrids' StateRows (row i's token is
     flat index i at every step). Returns per-step outputs stacked [num_steps, B].
@@ -78,16 +89,19 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
     tokens drawn after its end are dropped by the host anyway; with --kv-dtype bf16p such a junk
     write could otherwise overflow a block's escapes and fail a finished request), and a hybrid's
     state stops there, so the state it leaves is exactly that of its output, which the prefix
-    cache can snapshot when it finishes inside the dispatch."""
+    cache can snapshot when it finishes inside the dispatch.
+
+    mtp_cap [B] (the rows' slots; None: no MTP head): the head's row at each step, and after the
+    last one its drafts [B, mtp_depth], returned after the per-step outputs (spec/mtp.py)."""
     bs = kv.block_size
     dropped = kv.num_blocks * bs
     B = tokens.shape[0]
     dense = None if penalties is None else penalties.dense(B, params["embed"].shape[0])
     ends = stop_ids is not None
-    freeze = rows is not None and ends
+    freeze = rows is not None and ends and bool(kv.conv)      # (a hybrid of attention layers only: nothing to freeze)
 
     def one(carry, j):
-        kv, tok, pos, st, dense, guard, alive = carry
+        (kv, my), tok, pos, st, dense, guard, alive = carry
         blk = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]
         slots = jnp.where(alive, blk * bs + pos % bs, dropped)          # (alive starts as valid)
         kv_lens = jnp.where(valid, pos + 1, 1)
@@ -103,12 +117,20 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
             counts, seen = dense
             ids = jnp.arange(B)
             dense = (counts.at[ids, out[0]].add(1), seen.at[ids, out[0]].set(True))
+        if mtp_cap is not None:      # the head's row: this token's hidden state and the token drawn after it
+            y, kv = mtp_context(params, cfg, kv, h, out[0], pos, slots, block_tables, kv_lens, None, route)
+            my = jnp.where(alive[:, None], y, my)
         if ends:
             alive = alive & ~((out[0][:, None] == stop_ids).any(-1) | (j + 1 >= remaining))
-        return (kv, out[0], pos + 1, st + 1, dense, guard, alive), out
+        return ((kv, my), out[0], pos + 1, st + 1, dense, guard, alive), out
 
+    my0 = jnp.zeros((B, params["embed"].shape[-1]), params["embed"].dtype) if mtp_cap is not None else None
     with use(route):               # (scan traces `one` here)
-        (kv, *_), outs = jax.lax.scan(one, (kv, tokens, positions, steps, dense, guard, valid), jnp.arange(num_steps))
+        ((kv, my), *_), outs = jax.lax.scan(one, ((kv, my0), tokens, positions, steps, dense, guard, valid),
+                                            jnp.arange(num_steps))
+        if mtp_cap is not None:
+            nxt, kv = mtp_chain(params, cfg, kv, my, positions + num_steps - 1, block_tables, mtp_cap, mtp_depth, route)
+            outs = (*outs, nxt)
     return replicated(outs), kv
 
 

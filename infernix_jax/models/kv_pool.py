@@ -51,7 +51,14 @@ class PagedKV:
 
 
 def num_attention_layers(cfg: ModelConfig) -> int:
+    """The model's own attention layers (the pool's first ones)."""
     return sum(not cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+
+
+def num_kv_layers(cfg: ModelConfig) -> int:
+    """The pool's K/V layers: the model's attention layers, then its MTP head's (cfg.mtp_layers is 0
+    unless the engine drafts with it: engine/spec/mtp.py)."""
+    return num_attention_layers(cfg) + cfg.mtp_layers
 
 
 # --kv-dtype -> (key format, value format) of kv_quant (bf16p: kv_bf16p, lossless)
@@ -74,7 +81,7 @@ def check_kv_dtype(kv_dtype: str, head_dim: int | None = None, dtype=None) -> No
 def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, state_slots: int = 0,
                   kv_dtype: str = "") -> PagedKV:
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    n_attn = num_attention_layers(cfg)
+    n_attn = num_kv_layers(cfg)
     check_kv_dtype(kv_dtype, cfg.head_dim, dtype)
     if kv_dtype == "bf16p":
         kv_bf16p.check_block(block_size, cfg.head_dim)
@@ -82,7 +89,7 @@ def init_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sta
     if cfg.layer_types:
         from .qwen3_5.model import state_shapes
         (cs, cd), (ss, sd) = state_shapes(cfg, state_slots, dtype)
-        n_lin = cfg.num_layers - n_attn
+        n_lin = cfg.num_layers - num_attention_layers(cfg)
         conv = tuple(jnp.zeros(cs, cd) for _ in range(n_lin))
         ssm = tuple(jnp.zeros(ss, sd) for _ in range(n_lin))
     if kv_dtype == "bf16p":
@@ -108,7 +115,7 @@ def kv_bytes_per_block(cfg: ModelConfig, dtype, kv_dtype: str = "", block_size: 
     check_kv_dtype(kv_dtype, cfg.head_dim, dtype)     # (the plan too refuses what the pool would)
     if kv_dtype == "bf16p":
         kv_bf16p.check_block(block_size, cfg.head_dim)
-    per = num_attention_layers(cfg) * cfg.num_kv_heads
+    per = num_kv_layers(cfg) * cfg.num_kv_heads
     if not kv_dtype:
         return 2 * per * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
     if kv_dtype == "bf16p":                 # codes, a base per row, the block's escapes

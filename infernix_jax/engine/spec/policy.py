@@ -23,7 +23,8 @@ from .draft import MAX_NODES, Draft
 # what a draft token's chance to hold is taken to be before a sequence has drafted, by the n-gram
 # match behind it (a match of the whole window is most likely a copy going on; measured on the
 # bench's copy workloads: short matches held 0.5-1.2 tokens a round, mid and full ones 4-5 of 7)
-PRIORS = {"short": 0.3, "mid": 0.7, "full": 0.8}
+PRIORS = {"short": 0.3, "mid": 0.7, "full": 0.8,
+          "mtp": 0.6}       # (the MTP head: not measured here, no checkpoint with one can be had offline)
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # (other kinds' prior; how many rounds a prior is worth)
 DECAY = 0.9                             # per round: recent rounds count most (a copy starts, then ends)
 MARGIN = 1.05                           # auto drafts when it expects >= 5 % more tokens per second
@@ -128,10 +129,12 @@ class Timings:
 class Speculator:
     """The engine's drafting: propose() before each schedule, observe() after each verify."""
 
-    def __init__(self, mode: str, max_tokens: int, tree_nodes: int = 0, min_n: int = 2, max_n: int = 8):
+    def __init__(self, mode: str, max_tokens: int, tree_nodes: int = 0, min_n: int = 2, max_n: int = 8,
+                 mtp: bool = False):
         if mode not in SPECULATIVE:
             raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE)} (got {mode!r})")
         self.mode, self.k, self.tree_nodes, self.min_n, self.max_n = mode, max_tokens, tree_nodes, min_n, max_n
+        self.mtp = mtp                   # the steps run the MTP head (its drafts: seq.mtp_next)
         self.timings = Timings()
         self.stats: dict[str, MethodStats] = {}
         # drafter(seq, ids [L] int32, k) -> Draft | None: the n-gram lookup (tests put others here)
@@ -144,10 +147,15 @@ class Speculator:
         if k < 1:
             return None
         ids = np.asarray(seq.all_ids, np.int32)
-        d = self.drafter(seq, ids, k)
-        if d is None or self.mode != "auto":
-            return d
-        depth = self._depth(st, d.kind, len(d) if d.is_chain else max(d.depths()), len(d), batch)
+        found = [] if self.mode == "mtp" else [self.drafter(seq, ids, k)]
+        if self.mtp and seq.mtp_next is not None and seq.mtp_next[0] == len(ids):
+            found.append(Draft.chain(seq.mtp_next[1][:k], "mtp"))
+        found = [d for d in found if d]
+        if self.mode != "auto" or not found:
+            return found[0] if found else None
+        # auto: each drafter's draft at its best depth; the one that should emit the most per second
+        (depth, _), d = max(((self._depth(st, d.kind, len(d) if d.is_chain else max(d.depths()), len(d), batch), d)
+                             for d in found), key=lambda x: x[0][1])
         if depth == 0:
             # not worth it by the estimate; now and then a round anyway, so that an estimate
             # from a stretch of free text does not stop a copy that starts later
@@ -157,19 +165,20 @@ class Speculator:
             return d
         return d.truncated(depth) if d.is_chain else d
 
-    def _depth(self, st: SeqStats, method: str, depth: int, nodes: int, batch: int) -> int:
+    def _depth(self, st: SeqStats, method: str, depth: int, nodes: int, batch: int) -> tuple[int, float]:
         """auto: the draft depth worth verifying (0: none) for a sequence with these statistics,
-        given a draft `depth` deep of `nodes` nodes (a tree is taken whole or not at all)."""
+        given a draft `depth` deep of `nodes` nodes (a tree is taken whole or not at all), and the
+        tokens per second expected of it (inf: nothing measured yet, so draft and measure)."""
         plain = self.timings.plain(batch)
         best, best_rate = 0, 1.0 / plain if plain else None
         for k in (range(1, depth + 1) if nodes == depth else (depth,)):
             t = self.timings.verify(batch + (k if nodes == depth else nodes))
             if t is None or best_rate is None:
-                return depth              # nothing measured yet: draft, and measure
+                return depth, st.expected(method, depth) * 1e9          # (ranks drafters by E(k) meanwhile)
             rate = st.expected(method, k) / t
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = k, rate
-        return best
+        return best, best_rate
 
     def observe(self, seq, draft: Draft, accepted: int) -> None:
         depth = max(draft.depths())

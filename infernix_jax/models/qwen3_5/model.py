@@ -152,8 +152,9 @@ def _gated_deltanet(cfg: ModelConfig, p, x, conv_state, ssm_state):
     return gdn_output(cfg, p, o, z, x.dtype), conv_state, ssm_state
 
 
-def hybrid_mlp(cfg: ModelConfig, p, i: int, y, route: Route = REFERENCE):
-    if not cfg.is_moe_layer(i):
+def hybrid_mlp(cfg: ModelConfig, p, i: int | None, y, route: Route = REFERENCE):
+    """Layer i's MLP (i None: an MTP layer's, MoE whenever the model has experts)."""
+    if not (cfg.num_experts > 0 if i is None else cfg.is_moe_layer(i)):
         return gated_mlp(y, p, cfg.hidden_act)
     out = moe_mlp(y, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act, route=route)
     if "s_down" in p:
