@@ -15,6 +15,7 @@ compile and fill the prefix cache, so prefill is a cache hit every time; a singl
 beside acceptance and tokens per verify round."""
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -71,6 +72,10 @@ def run(model, new_tokens: int, names: list[str], modes: list[str], out: str | N
             acc = "; ".join(f"{k}: {v['acceptance']:.0%} accepted, {v['tokens_per_round']} tok/round"
                             for k, v in st.items())
             print(f"{name:13s} {mode:6s} {tps:8.1f} tok/s  {ratio:10s} {acc}", flush=True)
+            # the next mode's engine takes its own KV pool (most of a GPU's free memory): this one's goes first
+            eng.close()
+            del eng, once
+            gc.collect()
         results[name] = row
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -180,3 +180,24 @@ def test_bench_shapes_times_the_head_beside_plain_decode(tmp_path, monkeypatch):
     assert "mtp_depth" not in plain and head["mtp_depth"] == 3 and head["vs_plain"] > 0
     with pytest.raises(ValueError, match="not a Qwen3.5"):
         bench_shapes.Bench("smollm2-135m", tmp_path, impl="reference", mtp_depth=3)
+
+
+def test_bench_spec_frees_each_modes_engine_before_the_next(smollm, monkeypatch):
+    """On a GPU each engine's KV pool takes most of the free memory: the bench must drop one mode's
+    engine before it builds the next (it ran out of memory on an H100 when it did not)."""
+    import gc
+    import weakref
+
+    import infernix_jax.engine as engine_pkg
+    from scripts import bench_spec
+    alive = []
+
+    class Tracked(Engine):
+        def __init__(self, *a, **kw):
+            gc.collect()
+            assert not [r for r in alive if r() is not None], "the previous mode's engine is still alive"
+            super().__init__(*a, **kw)
+            alive.append(weakref.ref(self))
+    monkeypatch.setattr(engine_pkg, "Engine", Tracked)
+    res = bench_spec.run(smollm, 6, ["free-chat"], ["off", "ngram"], None)
+    assert len(alive) == 2 and set(res["free-chat"]) == {"off", "ngram"}
