@@ -109,7 +109,7 @@ def target_hidden(model, ids):
     return h[0]
 
 
-@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("every", [2, pytest.param(1, marks=pytest.mark.extended)])
 def test_every_draft_is_the_reference_heads(copy_model, every):
     """Each proposal's drafts (seq.mtp_next) equal mtp_reference on the sequence as it stands: the
     head's K/V over prompt chunks, decode dispatches, verify steps with accepted and rejected
@@ -182,6 +182,7 @@ def test_bench_shapes_times_the_head_beside_plain_decode(tmp_path, monkeypatch):
         bench_shapes.Bench("smollm2-135m", tmp_path, impl="reference", mtp_depth=3)
 
 
+@pytest.mark.extended
 def test_bench_spec_frees_each_modes_engine_before_the_next(smollm, monkeypatch):
     """On a GPU each engine's KV pool takes most of the free memory: the bench must drop one mode's
     engine before it builds the next (it ran out of memory on an H100 when it did not)."""
