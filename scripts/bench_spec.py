@@ -74,7 +74,7 @@ def run(model, new_tokens: int, names: list[str], modes: list[str], out: str | N
             print(f"{name:13s} {mode:6s} {tps:8.1f} tok/s  {ratio:10s} {acc}", flush=True)
             # the next mode's engine takes its own KV pool (most of a GPU's free memory): this one's goes first
             eng.close()
-            del eng, once
+            eng = once = None
             gc.collect()
         results[name] = row
     if out:

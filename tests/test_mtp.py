@@ -109,13 +109,16 @@ def target_hidden(model, ids):
     return h[0]
 
 
-@pytest.mark.parametrize("every", [2, pytest.param(1, marks=pytest.mark.extended)])
-def test_every_draft_is_the_reference_heads(copy_model, every):
+@pytest.mark.parametrize("every,tight", [(2, False), pytest.param(1, False, marks=pytest.mark.extended),
+                                         (1, True)])
+def test_every_draft_is_the_reference_heads(copy_model, every, tight):
     """Each proposal's drafts (seq.mtp_next) equal mtp_reference on the sequence as it stands: the
     head's K/V over prompt chunks, decode dispatches, verify steps with accepted and rejected
     nodes is what the whole sequence gives. every=2: every other round decodes plainly (the head
-    then runs inside the multi-step decode)."""
-    eng = engine(copy_model, "mtp", prefix_cache=False)
+    then runs inside the multi-step decode). tight: a pool too small for every sequence at once, so
+    sequences are preempted and recomputed (their outputs fed again as chunks)."""
+    kw = dict(kv_cache_gib=13 * 8192 / 2**30, max_model_len=192) if tight else {}
+    eng = engine(copy_model, "mtp", prefix_cache=False, **kw)
     seen, calls = [], [0]
     propose = eng.spec.propose
 
@@ -129,6 +132,7 @@ def test_every_draft_is_the_reference_heads(copy_model, every):
     ps = prompts()
     final = {tuple(p): p + o for p, o in zip(ps, run(eng, ps))}
     assert len(seen) >= 10 and max(len(d) for _, d in seen) == eng.runner.mtp_depth
+    assert (eng.scheduler.num_preemptions > 0) == tight
     hidden = {k: target_hidden(copy_model, list(v)) for k, v in final.items()}   # (causal: any prefix's too)
     ref = jax.jit(partial(mtp_reference, depth=eng.runner.mtp_depth), static_argnums=1)
     for ids, drafts in seen:
@@ -145,6 +149,10 @@ def test_head_choices():
     for mode, runs in (("mtp", True), ("auto", True), ("ngram", False), ("off", False)):
         m, on = use_mtp(with_head, mode)
         assert on == runs and ("mtp" in m.params) == runs and (m.cfg.mtp_layers == 1) == runs
+    # --kv-dtype bf16p: the chain's K/V could overflow a block's escapes; auto drafts with n-grams only
+    with pytest.raises(ValueError, match="bf16p"):
+        use_mtp(with_head, "mtp", "bf16p")
+    assert use_mtp(with_head, "auto", "bf16p")[1] is False and use_mtp(with_head, "auto", "int8")[1]
     # the head's K/V: one more layer in the pool, only where it runs
     assert num_kv_layers(with_head.cfg) == num_attention_layers(with_head.cfg) + 1
     eng = engine(with_head, "ngram")

@@ -361,8 +361,8 @@ class Runner:
                 mtp.node[off:off + known], mtp.row[off:off + n], mtp.last[i] = -1, i, off + known - 1
                 mtp.node[off + known:off + n] = np.arange(nd)
                 mtp.cap[i] = len(s.block_ids) * bs
-                if s.num_computed + known < len(s.prompt_ids):       # a chunk that does not end the prompt
-                    mtp.after[i] = s.prompt_ids[s.num_computed + known]
+                if s.num_computed + known < len(s):      # a chunk that does not end the known tokens (a prompt's,
+                    mtp.after[i] = s.tokens(s.num_computed + known, s.num_computed + known + 1)[0]  # a recompute's)
             off += n
         sampling, st = self._sampling(seqs, B)
         bt, pen, allowed, rows = self._block_table(seqs, B), self._penalties(seqs, B), self._allowed(plan, B, K), \

@@ -180,12 +180,14 @@ class Scheduler:
         return n > 1 and self.max_prefill_rows is not None and \
             sum(m > 1 for _, m in plan) >= self.max_prefill_rows
 
-    def _grow(self, seq: Sequence, n: int) -> None:
-        """Blocks for the n tokens seq feeds, and the lookahead's too where blocks are free (never
-        preempting for them: the MTP head's chain stops where its slots do, spec/mtp.py)."""
-        self.bm.grow(seq, seq.num_computed + n)
-        if self.lookahead and self.bm.can_grow(seq, seq.num_computed + n + self.lookahead):
-            self.bm.grow(seq, seq.num_computed + n + self.lookahead)
+    def _grow_lookahead(self, plan, steps: int) -> None:
+        """The MTP head's chain's slots past what each planned sequence feeds, once the plan is made and
+        only from blocks it leaves free (never preempting or holding back another sequence for them:
+        the chain stops where its slots do, spec/mtp.py)."""
+        for seq, n in plan:
+            want = seq.num_computed + max(n, steps) + self.lookahead
+            if self.bm.can_grow(seq, want):
+                self.bm.grow(seq, want)
 
     def schedule(self) -> tuple[list[tuple[Sequence, int]], int]:
         """Returns [(seq, tokens to feed)] and the number of decode steps to run (> 1 only when every
@@ -217,7 +219,7 @@ class Scheduler:
             if not self.bm.can_grow(seq, seq.num_computed + n):
                 self._preempt(seq)
                 continue
-            self._grow(seq, n)
+            self.bm.grow(seq, seq.num_computed + n)
             plan.append((seq, n))
             budget -= n
             if seq.turn_out is None and seq.decoding:
@@ -230,7 +232,7 @@ class Scheduler:
             self.waiting.popleft()
             if self.state_slots:
                 seq.state_slot = self.free_slots.pop()
-            self._grow(seq, n)
+            self.bm.grow(seq, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan.append((seq, n))
@@ -245,4 +247,6 @@ class Scheduler:
                     self.bm.grow(s, s.num_computed + steps)
             else:
                 steps = 1
+        if self.lookahead:
+            self._grow_lookahead(plan, steps)
         return plan, steps

@@ -126,10 +126,11 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
 
     my0 = jnp.zeros((B, params["embed"].shape[-1]), params["embed"].dtype) if mtp_cap is not None else None
     with use(route):               # (scan traces `one` here)
-        ((kv, my), *_), outs = jax.lax.scan(one, ((kv, my0), tokens, positions, steps, dense, guard, valid),
-                                            jnp.arange(num_steps))
-        if mtp_cap is not None:
-            nxt, kv = mtp_chain(params, cfg, kv, my, positions + num_steps - 1, block_tables, mtp_cap, mtp_depth, route)
+        ((kv, my), *_, alive), outs = jax.lax.scan(one, ((kv, my0), tokens, positions, steps, dense, guard, valid),
+                                                   jnp.arange(num_steps))
+        if mtp_cap is not None:      # (a row that ended inside the dispatch writes nothing more: cap 0)
+            nxt, kv = mtp_chain(params, cfg, kv, my, positions + num_steps - 1, block_tables,
+                                jnp.where(alive, mtp_cap, 0), mtp_depth, route)
             outs = (*outs, nxt)
     return replicated(outs), kv
 

@@ -38,8 +38,10 @@ class MtpRows:
     cap: jax.Array
 
 
-def use_mtp(model, mode: str):
-    """-> (the model the engine runs, whether it drafts with the MTP head). mode: --speculative."""
+def use_mtp(model, mode: str, kv_dtype: str = ""):
+    """-> (the model the engine runs, whether it drafts with the MTP head). mode: --speculative.
+    Not with --kv-dtype bf16p: the chain's K/V past a sequence's end could overflow a block's
+    escapes and fail a request that is fine (auto then drafts with n-grams only)."""
     cfg = model.cfg
     has = cfg.mtp_layers > 0 and "mtp" in model.params
     if mode == "mtp":
@@ -48,7 +50,10 @@ def use_mtp(model, mode: str):
                              "Qwen3-Next and Qwen3.5 checkpoints carry one): use --speculative ngram or auto")
         if cfg.mtp_layers != 1:
             raise ValueError(f"--speculative mtp drafts with one MTP layer; {model.name} has {cfg.mtp_layers}")
-    if has and mode in ("mtp", "auto") and cfg.mtp_layers == 1:
+        if kv_dtype == "bf16p":
+            raise ValueError("--speculative mtp does not work with --kv-dtype bf16p (the head's drafted K/V could "
+                             "overflow a block's escapes): use another --kv-dtype, or --speculative ngram")
+    if has and mode in ("mtp", "auto") and cfg.mtp_layers == 1 and kv_dtype != "bf16p":
         return model, True
     if not has and not cfg.mtp_layers:
         return model, False
