@@ -8,11 +8,11 @@
   free-chat     a question with nothing to copy (speculation must not lose)
 
 Each workload runs with speculation off, ngram (chains), tree (--ngram-tree-nodes 16) and auto
-(and mtp, asked for, on a checkpoint with an MTP head) on the same engine settings; every mode's output must equal off's token for token (the bench
-fails otherwise). Decode tok/s is the better of the third and fourth runs of each (the first two
-compile and fill the prefix cache, so prefill is a cache hit every time; a single run on a shared
-2-core machine varied by 15 %), less the prefill, and printed as a ratio against off,
-beside acceptance and tokens per verify round."""
+(and mtp, asked for, on a checkpoint with an MTP head) on the same engine settings; every mode's
+output must equal off's token for token (the bench fails otherwise). Decode tok/s is the better of
+the third and fourth runs of each (the first two compile and fill the prefix cache, so prefill is
+a cache hit every time; a single run on a shared 2-core machine varied by 15 %), less the prefill,
+and printed as a ratio against off, beside acceptance and tokens per verify round."""
 from __future__ import annotations
 
 import gc

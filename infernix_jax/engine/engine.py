@@ -67,7 +67,7 @@ class Engine:
         (`Engine(model, max_num_seqs=4)`), checked as the command line's are."""
         c = self.config = (config or EngineConfig()).replace(**settings)
         # the MTP head runs (and has a K/V layer in the pool) only where it drafts: spec/mtp.py
-        model, mtp = use_mtp(model, c.speculative, c.kv_dtype or "")
+        model, mtp = use_mtp(model, c.speculative, c.kv_dtype)
         from ..models.kv_pool import check_kv_dtype
         check_kv_dtype(c.kv_dtype, model.cfg.head_dim, model.dtype)      # before the plan sizes a pool for it
         state_snapshots, parallel, kv_dtype, block_size = c.state_snapshots, c.parallel, c.kv_dtype, c.block_size

@@ -449,9 +449,11 @@ class Runner:
         sampling, st = self._sampling(seqs, B)
         bt, pen = self._block_table(seqs, B), self._penalties(seqs, B)
         self.shapes.seen(shapes.decode(B, bt.shape[1], k, want_top, pen))
-        cap = np.zeros((B,), np.int32)
-        cap[:len(seqs)] = [len(s.block_ids) * self.block_size for s in seqs]
-        mtp = dict(mtp_cap=cap, mtp_depth=self.mtp_depth) if self.mtp_depth else {}
+        mtp = {}
+        if self.mtp_depth:           # each row's slots: the head's chain stops there
+            cap = np.zeros((B,), np.int32)
+            cap[:len(seqs)] = [len(s.block_ids) * self.block_size for s in seqs]
+            mtp = dict(mtp_cap=cap, mtp_depth=self.mtp_depth)
         out = self._device("decode", tokens, positions, bt, valid, st, sampling,
                            num_steps=k, route=self.route, want_top=want_top,
                            penalties=pen, guard=self._guard(seqs, B),
@@ -461,7 +463,7 @@ class Runner:
         if mtp:
             *out, nxt = out
         res = [StepOutput(*(a[:, i] for a in out)) for i in range(len(seqs))]
-        if nxt is not None:
+        if mtp:
             for i, r in enumerate(res):
                 r.mtp = usable(nxt[i], int(positions[i]) + k - 1, int(cap[i]))
         return res
