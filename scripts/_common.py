@@ -171,6 +171,11 @@ def add_engine_args(p):
     g.add_argument("--ngram-tree-nodes", type=int, default=0, metavar="N",
                    help="n-gram drafts as trees of up to N nodes: every earlier occurrence of the matched text "
                         "with another continuation (two versions of a file) verified in one round (default off)")
+    g.add_argument("--device-rounds", choices=["auto", "on", "off"], default="auto",
+                   help="n-gram chains drafted and verified round after round on the device, up to --decode-steps "
+                        "rounds in one dispatch, for batches of decoding requests (not with trees, hybrid models "
+                        "or --kv-dtype bf16p); auto: on a GPU, where a dispatch costs several tokens' time "
+                        "(default %(default)s)")
     g = p.add_argument_group("prefix cache")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not keep computed prefixes for reuse (every prompt is prefilled in full)")
@@ -202,7 +207,8 @@ def engine_config(a):
                         block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                         chunked_prefill=not a.no_chunked_prefill, decode_steps=a.decode_steps,
                         attn_impl=a.attn_impl, parallel=parallel_of(a), speculative=a.speculative,
-                        num_speculative_tokens=a.num_speculative_tokens, ngram_tree_nodes=a.ngram_tree_nodes)
+                        num_speculative_tokens=a.num_speculative_tokens, ngram_tree_nodes=a.ngram_tree_nodes,
+                        device_rounds={"auto": None, "on": True, "off": False}[a.device_rounds])
 
 
 class Progress:

@@ -208,3 +208,127 @@ def test_verify_shapes_are_recorded_and_warmed_by_the_next_start(llama, tmp_path
     before = compiles()
     assert [r.token_ids for r in b.generate(reqs())] == plain
     assert compiles() == before
+
+
+# ---- device-side rounds (steps.spec_steps): n-gram drafts looked up and verified inside one dispatch
+
+COPY = ("def area(r):\n    return 3.14159 * r * r\n\n\nclass Shape:\n    def __init__(self, name, sides):\n"
+        "        self.name = name\n        self.sides = sides\n\n    def describe(self):\n"
+        "        return f'{self.name} has {self.sides} sides'\n")
+
+
+def copy_prompt(tok, text=COPY):
+    return tok.encode_chat([{"role": "user", "content": f"Repeat this code exactly, nothing else:\n\n{text}"}])
+
+
+def run_engine(model, reqs, mode, **kw):
+    eng = Engine(model, max_num_seqs=4, max_model_len=1024, speculative=mode, device_rounds=True, **kw)
+    out = eng.generate(reqs())
+    assert eng.bm.num_free == eng.bm.num_blocks                    # every block released
+    return out, eng
+
+
+def test_device_ngram_lookup_is_the_host_one():
+    """propose_device over padded histories drafts exactly what propose does (chains), whatever
+    the history, its length, k and the match window."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        B, L = 4, 64
+        hist = np.full((B, L), 7777, np.int32)
+        lens = rng.integers(1, L, B)
+        for r in range(B):
+            hist[r, :lens[r]] = rng.integers(0, int(rng.integers(2, 6)), lens[r])
+        k, lo = int(rng.integers(1, 9)), int(rng.integers(1, 3))
+        hi = int(rng.integers(lo, 9))
+        draft, n = ngram.propose_device(jnp.asarray(hist), jnp.asarray(lens, jnp.int32), k, lo, hi)
+        for r in range(B):
+            want = ngram.propose(hist[r, :lens[r]], k, lo, hi)
+            assert [int(t) for t in np.asarray(draft[r]) if t >= 0] == (want.tokens if want else [])
+            assert int(n[r]) == ngram.matches(hist[r, :lens[r]], lo, hi)[0]
+
+
+def test_device_rounds_change_nothing(smollm):
+    """A batch decoding with ngram rounds on the device: greedy, seeded, a stop string, a length
+    limit reached inside a round, logprobs: every output is plain decoding's, and copying is sped
+    up (drafts held). The rounds' shape is recorded for warm-up and warms again."""
+    p = copy_prompt(smollm.tokenizer)
+    q = copy_prompt(smollm.tokenizer, COPY.replace("Shape", "Figure").replace("sides", "edges"))
+
+    def reqs():
+        return [Request(p, SamplingParams(max_tokens=64, temperature=0, logprobs=True, top_logprobs=3)),
+                Request(q, SamplingParams(max_tokens=48, temperature=0.8, seed=7)),
+                Request(p, SamplingParams(max_tokens=64, temperature=0, stop=("describe",))),
+                Request(q, SamplingParams(max_tokens=13, temperature=0, ignore_eos=True))]
+    plain, _ = run_engine(smollm, reqs, "off")
+    got, eng = run_engine(smollm, reqs, "ngram")
+    for a, b in zip(plain, got):
+        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+    assert len(got[3].token_ids) == 13 and got[2].finish_reason == "stop"
+    lp_a = [lp for lp in plain[0].logprobs]
+    lp_b = [lp for lp in got[0].logprobs]
+    assert [x[0] for x in lp_b] == [x[0] for x in lp_a]
+    assert np.allclose([x[1] for x in lp_b], [x[1] for x in lp_a], atol=2e-3)
+    st = eng.spec.stats["ngram"]
+    assert st.rounds > 0 and st.accepted > 0.3 * st.drafted       # (the copies hold)
+    keys = [k for k in eng.runner.shapes.counts if k[0] == "spec"]
+    assert keys
+    eng.runner.warm(keys[-1], run=True)          # (on padding: no request's blocks are touched)
+
+
+@pytest.mark.extended
+def test_device_rounds_keep_the_thinking_guard(smollm):
+    """The end-in-thinking guard inside the rounds: a banned token (one the copy needs) never
+    comes while the block is open, at the root or along a draft, exactly as in plain decoding."""
+    tok = smollm.tokenizer
+    p = copy_prompt(tok)
+    banned = tok.encode(" sides")[0]
+
+    def run(mode):
+        eng = Engine(smollm, max_num_seqs=2, max_model_len=1024, speculative=mode, device_rounds=True)
+        eng.think_ids = eng.runner.think_ids = (tok.encode(" Shape")[0], tok.encode(" area")[0], (banned,))
+        r = eng.generate([Request(p, SamplingParams(max_tokens=40, temperature=0, think_open=True,
+                                                    think_guard=True))])[0]
+        return r.token_ids, eng
+    plain, _ = run("off")
+    got, eng = run("ngram")
+    assert got == plain and banned not in plain             # (unguarded, the copy has it: " sides")
+    assert eng.spec.stats["ngram"].rounds > 0
+
+
+def test_auto_picks_rounds_or_plain_decoding_by_measured_speed():
+    """auto: device-side rounds where they emitted tokens faster lately, else plain decode steps;
+    the other one every few dispatches, so that a copy starting later is noticed."""
+    sp = Speculator("auto", 8)
+    sp.loop = sp.loop_settings(8)
+    assert sp.loop is not None and Speculator("ngram", 8, tree_nodes=4).loop_settings(8) is None
+    assert sp.use_loop(1)                                    # nothing measured: the rounds first
+    sp.timings.per_token[("loop", 1)] = 0.002
+    assert not sp.use_loop(1)                                # then plain decoding, to measure it
+    sp.timings.per_token[("plain", 1)] = 0.001
+    picks = [sp.use_loop(1) for _ in range(16)]
+    assert picks.count(True) == 2                            # plain is faster: the rounds now and then
+    sp.timings.per_token[("plain", 1)] = 0.004
+    picks = [sp.use_loop(1) for _ in range(16)]
+    assert picks.count(False) == 2
+    sp.drafter = lambda seq, ids, k: None                    # another drafter: host rounds only
+    assert sp.loop is None and not sp.use_loop(1)
+
+
+@pytest.mark.extended
+def test_a_served_engine_warms_its_rounds_while_idle(llama):
+    """Started (the server's way), an auto engine compiles the device-side rounds of one stream
+    while idle after ready, and until then decodes plainly rather than compile on a request's path."""
+    import time
+    eng = Engine(llama, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=3, speculative="auto",
+                 device_rounds=True)
+    assert eng.runner.spec_keys() and not eng.runner.compiled
+    eng.start("basic")
+    try:
+        assert eng.ready.wait(300)
+        t = time.monotonic()
+        while eng._idle_keys and time.monotonic() - t < 300:
+            time.sleep(0.2)
+        assert set(eng.runner.spec_keys()) <= eng.runner.compiled
+    finally:
+        eng.stop()

@@ -30,6 +30,10 @@ class EngineConfig:
                                                 # on a GPU, a verify step of one stream is then 8 or 16
                                                 # tokens; the MTP head choices.MTP_DEPTH)
     ngram_tree_nodes: int = 0             # > 0: n-gram drafts as trees of up to this many nodes
+    device_rounds: bool | None = None     # n-gram chains drafted and verified round after round inside one
+                                          # dispatch (steps.spec_steps); None: on a GPU, where a dispatch
+                                          # costs several tokens' time (the CPU pays per token: host
+                                          # rounds, which pick each draft's depth, do better there)
     # the prefix cache and its tiers
     prefix_cache: bool = True
     prefix_cache_ram_gib: float = 0.0

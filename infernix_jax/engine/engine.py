@@ -29,6 +29,7 @@ from . import shapes
 from ..cache.prefix_cache import PrefixCache
 from ..cache.ssd_tier import SSDTier
 from .scheduler import Scheduler
+from .steps import bucket
 from ..cache.snapshots import SnapshotStore
 from ..route import Route
 from ..choices import MTP_DEPTH
@@ -128,6 +129,11 @@ class Engine:
         self.spec_depth = c.num_speculative_tokens or (15 if on_gpu else 7)
         self.spec = None if c.speculative == "off" else Speculator(c.speculative, self.spec_depth, c.ngram_tree_nodes,
                                                                    mtp=mtp)
+        # device-side rounds (spec_steps) for batches of decoding rows: attention-only models (a hybrid's
+        # state would have to roll back inside the loop) and KV formats that take any write
+        rounds_here = c.device_rounds if c.device_rounds is not None else on_gpu
+        if self.spec is not None and rounds_here and not hybrid and kv_dtype != "bf16p":
+            self.spec.loop = self.runner.loop = self.spec.loop_settings(steps)
         if mtp:          # every step drafts with the head; the scheduler keeps slots ahead for its chain
             self.runner.mtp_depth = self.scheduler.lookahead = min(c.num_speculative_tokens or MTP_DEPTH,
                                                                    self.spec_depth)
@@ -148,6 +154,7 @@ class Engine:
         # shapes_dir: where that record lives (default: JAX's compilation cache directory, none when off)
         self.earlier_shapes = self.runner.shapes.attach(c.shapes_dir or jax.config.jax_compilation_cache_dir, identity)
         self._warm_queue: list[tuple] = []
+        self.warmed_up = False         # warmup() or start() warmed it: nothing compiles on a request's path
         self._idle_keys: list[tuple] = []
         self._warm_t0 = 0.0
         self.ready = threading.Event()
@@ -232,6 +239,7 @@ class Engine:
         meets; "full", every shape the limits allow (slow on the CPU for big models); "none".
         Returns how many."""
         keys = self.warm_keys(level)
+        self.warmed_up = level != "none"
         for key in keys:
             self._warm_one(key)
         if keys:
@@ -298,21 +306,51 @@ class Engine:
             return
         if self.cache is not None:
             self.cache.apply(self.runner)
+        rounds = self._rounds(plan, k)
         t = time.perf_counter()
-        outs = self.runner.run(plan, k)      # waits for the step's tokens
+        outs = self.runner.run(plan, k, rounds)      # waits for the step's tokens
         dt = time.perf_counter() - t
         if self.cache is not None and k == 1:
             self.cache.costs.prefill(sum(n for _, n in plan), dt)
         if self.spec is not None:
-            self.spec.timings.record(plan, k, dt)
+            self.spec.timings.record(plan, k, dt, sum(len(o.ids) for o in outs), rounds)
         self._fail_unpacked(plan)
         self._postprocess(plan, k, outs)
 
+    def _rounds(self, plan, k: int) -> int:
+        """Device-side speculation rounds for a dispatch of k > 1 plain decode steps (0: run those):
+        spec/policy.py decides; each row then needs slots for every token the rounds may write."""
+        if k == 1 or not self._loop_ok([s for s, _ in plan]) or not self.spec.use_loop(len(plan)):
+            return 0
+        loop = self.spec.loop
+        span = loop.rounds * (loop.depth + 1)
+        if self.spec.mode == "auto" and self.warmed_up:
+            # a warmed engine (the server's): auto waits until the rounds' shape is compiled (warmed
+            # while idle) rather than stall a request on a compile; plain decode steps meanwhile
+            M = self.runner.table_width(max(self.bm.blocks_for(s.num_computed + span) for s, _ in plan))
+            key = shapes.spec(bucket(len(plan), minimum=1), M, loop.rounds, loop.depth,
+                              any(s.params.logprobs for s, _ in plan))
+            if key not in self.runner.compiled:
+                return 0
+        return loop.rounds if self.scheduler.grow_ahead(plan, span) else 0
+
+    def _loop_ok(self, seqs) -> bool:
+        """Whether these rows can run device-side rounds: a multi-step dispatch (scheduler), none
+        with penalties (their token histories would change along a draft)."""
+        return (self.spec is not None and self.spec.loop is not None and bool(seqs)
+                and self.scheduler.multi_step_ok(seqs) and not any(s.params.penalized for s in seqs))
+
     def _propose(self) -> None:
-        """Drafts for the running sequences that decode (speculation on): spec/policy.py decides."""
+        """Drafts for the running sequences that decode (speculation on): spec/policy.py decides.
+        None where the batch can run device-side rounds instead (every row decoding and free of
+        grammars and penalties, nothing waiting: a dispatch of several decode steps)."""
         if self.spec is None:
             return
         running = self.scheduler.running
+        if self._loop_ok(running):
+            for seq in running:
+                seq.draft = None
+            return
         for seq in running:
             seq.draft = self.spec.propose(seq, len(running), seq.tokens_left(self.max_context)) \
                 if self._can_draft(seq) else None
@@ -376,6 +414,8 @@ class Engine:
                     break
             if draft is not None:
                 self._verified(seq, draft, out, taken)
+            if out.rounds:
+                self.spec.observe_rounds(seq, out.rounds)
             if out.mtp and taken == len(out.ids):      # the head drafted after the last token emitted
                 seq.mtp_next = (len(seq), out.mtp)
             if seq.status is Status.RUNNING:
@@ -481,10 +521,12 @@ class Engine:
         still only while idle, the shapes earlier runs met."""
         level = {True: "basic", False: "none"}.get(warmup, warmup)
         before = self.warm_keys(level)
+        self.warmed_up = level != "none"
         self._warm_queue = list(before)
         self._idle_keys = [k for k in self.earlier_shapes if k not in set(before)] if level != "none" else []
-        if self.spec is not None and level != "none":   # one stream's verify steps, after ready
-            self._idle_keys += [k for k in self.runner.verify_keys(self.spec_depth) if k not in set(self._idle_keys)]
+        if self.spec is not None and level != "none":   # one stream's rounds and verify steps, after ready
+            self._idle_keys += [k for k in self.runner.spec_keys() + self.runner.verify_keys(self.spec_depth)
+                                if k not in set(self._idle_keys)]
         self.warm_state.update(done=0, total=len(before))
         if not before:
             self.ready.set()

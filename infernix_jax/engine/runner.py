@@ -29,10 +29,11 @@ class StepOutput:
     A verify row (one with a draft): the k = accepted + 1 tokens to emit, and the accepted nodes
     (path, in order)."""
 
-    def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=(), mtp=None):
+    def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=(), mtp=None, rounds=()):
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
         self.accepted, self.path = accepted, path
         self.mtp = mtp          # the MTP head's drafts after the last emitted token (spec/mtp.py), or None
+        self.rounds = rounds    # spec_steps: (drafted, accepted) of each round the row drafted in
 
 
 log = logging.getLogger("infernix.engine")
@@ -65,10 +66,12 @@ class Runner:
         self.max_prefill_rows = None   # hybrids: the scheduler's cap on rows feeding several tokens
         self.hybrid = bool(self.cfg.layer_types)
         self.mtp_depth = 0           # > 0: every step runs the MTP head and drafts this many (spec/mtp.py)
+        self.loop = None             # spec.policy.Loop: the settings of device-side n-gram rounds (spec_steps)
         self.state_slots = state_slots if self.hybrid else 0
         self.max_context = max_context or self.cfg.max_position_embeddings     # outputs end there (_ends)
         self._op_reset_kv()
         self.shapes = shapes.Seen()          # the step shapes run so far (warm-up replays them next start)
+        self.compiled: set[tuple] = set()    # spec_steps shapes compiled in this process (auto waits for them)
         # several hosts (distributed.py): the leader's device calls go to every other process, which
         # replays them (follow); all built the same engine first
         self.channel = distributed.Channel() if distributed.several() else None
@@ -106,6 +109,9 @@ class Runner:
 
     def _op_decode(self, *args, compile_only: bool = False, **kw):
         return self._step(steps.decode_steps, args, kw, compile_only)
+
+    def _op_spec(self, *args, compile_only: bool = False, **kw):
+        return self._step(steps.spec_steps, args, kw, compile_only)
 
     def _step(self, fn, args, kw, compile_only: bool):
         """Run a jitted step on the pool; compile_only: compile it for these arguments (filling jit's
@@ -306,8 +312,13 @@ class Runner:
             bt[i, :len(s.block_ids)] = s.block_ids
         return bt
 
-    def run(self, plan: list[tuple[Sequence, int]], num_steps: int) -> list[StepOutput]:
+    def run(self, plan: list[tuple[Sequence, int]], num_steps: int, rounds: int = 0) -> list[StepOutput]:
+        """One dispatch: a mixed step (num_steps 1), num_steps decode steps, or with rounds > 0 that
+        many rounds of n-gram speculation on the device (spec_steps; the drafting's settings:
+        self.loop)."""
         seqs = [s for s, _ in plan]
+        if rounds:
+            return self._spec_decode(seqs, rounds, any(s.params.logprobs for s in seqs))
         if num_steps > 1:
             return self._decode(seqs, num_steps, any(s.params.logprobs for s in seqs))
         return self._mixed(plan)
@@ -468,6 +479,37 @@ class Runner:
                 r.mtp = usable(nxt[i], int(positions[i]) + k - 1, int(cap[i]))
         return res
 
+    def _spec_decode(self, seqs: list[Sequence], rounds: int, want_top: bool) -> list[StepOutput]:
+        """`rounds` rounds of device-side n-gram speculation (steps.spec_steps): every emitted token,
+        in order, per row, with the rounds' (drafted, accepted) counts."""
+        B, lp = steps.bucket(len(seqs), minimum=1), self.loop
+        M = self.table_width(max(len(s.block_ids) for s in seqs))
+        L = M * self.block_size + lp.depth + 1         # (room for every token the rounds may add)
+        tokens, positions, caps = np.zeros((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        valid, hist = np.zeros((B,), bool), np.full((B, L), -1, np.int32)
+        bt = np.zeros((B, M), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i], positions[i], valid[i] = s.out_ids[-1], len(s) - 1, True
+            caps[i] = len(s.block_ids) * self.block_size
+            hist[i, :len(s)] = s.all_ids
+            bt[i, :len(s.block_ids)] = s.block_ids
+        sampling, st = self._sampling(seqs, B)
+        key = shapes.spec(B, M, rounds, lp.depth, want_top)
+        self.shapes.seen(key)
+        self.compiled.add(key)
+        out = self._device("spec", tokens, positions, bt, valid, st, sampling, hist, caps, num_rounds=rounds,
+                           depth=lp.depth, route=self.route, want_top=want_top, guard=self._guard(seqs, B),
+                           multi_rows=np.arange(B, dtype=np.int32) if self._row_layout else None,
+                           min_n=lp.min_n, max_n=lp.max_n, **self._ends(seqs, B))
+        *out, emitted, drafted = jax.device_get(out)        # each [R, B, K] (top: [R, B, K, TOP]); [R, B]
+        res = []
+        for i in range(len(seqs)):
+            n = emitted[:, i]
+            res.append(StepOutput(*(np.concatenate([a[r, i, :n[r]] for r in range(rounds)]) for a in out),
+                                  rounds=tuple((int(drafted[r, i]), int(n[r]) - 1) for r in range(rounds)
+                                               if drafted[r, i] > 0 and n[r] > 0)))
+        return res
+
     def _ends(self, seqs: list[Sequence], B: int) -> dict:
         """Where each row's output ends on the device (decode_steps writes no K/V past it and freezes
         a hybrid's state there): its stop token ids and the tokens it may still emit (max_tokens,
@@ -487,42 +529,57 @@ class Runner:
         if key[0] == "copy":
             self.copy_blocks([])         # the prefix cache's copy-on-write
             return
+        op, args, kw = self.padding_call(key)
+        # (the same keywords as run(): jit keys its cache on them)
+        self._device(op, *args, compile_only=True, **kw)
+        self.compiled.add(key)
+        if run:
+            self._device(op, *args, **kw)
+            jax.block_until_ready(self.kv)
+
+    def padding_call(self, key: tuple) -> tuple[str, tuple, dict]:
+        """(op, args, keywords) of a step of shape `key` on padding rows (warm-up, benchmarks)."""
+        if key[0] == "spec":
+            _, B, M, R, D, want_top = key
+            zeros_b = np.zeros((B,), np.int32)
+            lp = self.loop
+            return "spec", (zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
+                            SamplingArrays.greedy(B), np.full((B, M * self.block_size + D + 1), -1, np.int32),
+                            zeros_b), \
+                dict(num_rounds=R, depth=D, route=self.route, want_top=want_top, guard=self._guard([], B),
+                     multi_rows=np.arange(B, dtype=np.int32) if self._row_layout else None,
+                     min_n=lp.min_n, max_n=lp.max_n, **self._ends([], B))
         if key[0] == "decode":
             _, B, M, k, want_top, pen = key
             zeros_b = np.zeros((B,), np.int32)
-            op, args = "decode", (zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
-                                  SamplingArrays.greedy(B))
+            args = (zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
+                    SamplingArrays.greedy(B))
             kw = dict(num_steps=k, route=self.route, want_top=want_top,
                       penalties=shapes.dummy_penalties(B, pen, self.cfg.vocab_size), guard=self._guard([], B),
                       rows=self._padding_rows(B, B, 0), **self._ends([], B))
             if self.mtp_depth:
                 kw.update(mtp_cap=np.zeros((B,), np.int32), mtp_depth=self.mtp_depth)
-        else:                      # "mixed", or "verify": a mixed step with K draws per row
-            if key[0] == "verify":
-                _, N, B, M, pen, Bp, K, tree, Bpre, Bs, Ts = key
-            else:
-                (_, N, B, M, pen, Bp), K, tree, Bpre, Bs, Ts = key, 1, False, key[5], 0, 0
-            R = B * K
-            op, args = "mixed", (np.zeros((N,), np.int32), np.zeros((N,), np.int32),
-                                 np.full((N,), self.num_blocks * self.block_size, np.int32),
-                                 np.zeros((B, M), np.int32), np.ones((B,), np.int32),
-                                 np.arange(B + 1, dtype=np.int32), np.zeros((B, K), np.int32), np.zeros((R,), np.int32),
-                                 SamplingArrays.greedy(R))
-            kw = dict(route=self.route, want_top=True,
-                      penalties=shapes.dummy_penalties(R, pen, self.cfg.vocab_size),
-                      allowed=self._allowed([], B, K), guard=self._guard([], B),
-                      rows=self._padding_rows(B, N, Bpre, Bs, Ts),
-                      multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None)
-            if K > 1:
-                kw.update(drafts=DraftArrays(np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)),
-                          tree=(np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)) if tree else None)
-            if self.mtp_depth:
-                kw.update(mtp=self._mtp_rows(N, B), mtp_depth=self.mtp_depth)
-        # (the same keywords as run(): jit keys its cache on them)
-        self._device(op, *args, compile_only=True, **kw)
-        if run:
-            self._device(op, *args, **kw)
-            jax.block_until_ready(self.kv)
+            return "decode", args, kw
+        # "mixed", or "verify": a mixed step with K draws per row
+        if key[0] == "verify":
+            _, N, B, M, pen, Bp, K, tree, Bpre, Bs, Ts = key
+        else:
+            (_, N, B, M, pen, Bp), K, tree, Bpre, Bs, Ts = key, 1, False, key[5], 0, 0
+        R = B * K
+        dropped = np.full((N,), self.num_blocks * self.block_size, np.int32)
+        args = (np.zeros((N,), np.int32), np.zeros((N,), np.int32), dropped,
+                np.zeros((B, M), np.int32), np.ones((B,), np.int32), np.arange(B + 1, dtype=np.int32),
+                np.zeros((B, K), np.int32), np.zeros((R,), np.int32), SamplingArrays.greedy(R))
+        kw = dict(route=self.route, want_top=True, penalties=shapes.dummy_penalties(R, pen, self.cfg.vocab_size),
+                  allowed=self._allowed([], B, K), guard=self._guard([], B),
+                  rows=self._padding_rows(B, N, Bpre, Bs, Ts),
+                  multi_rows=np.full((Bp,), B, np.int32) if self._row_layout else None)
+        if K > 1:
+            kw.update(drafts=DraftArrays(np.zeros((B, K - 1), np.int32), np.full((B, K - 1), -2, np.int32)),
+                      tree=(np.full((B,), 2**30, np.int32), np.zeros((N,), np.int32)) if tree else None)
+        if self.mtp_depth:
+            kw.update(mtp=self._mtp_rows(N, B), mtp_depth=self.mtp_depth)
+        return "mixed", args, kw
 
     def done_warming(self) -> None:
         jax.block_until_ready(self.kv.k[0])
@@ -551,6 +608,14 @@ class Runner:
             return 0, 0, 0
         Bpre = 0 if rows.pre_tok is None else rows.pre_tok.shape[0]
         return (Bpre, *((0, 0) if rows.spec_tok is None else rows.spec_tok.shape))
+
+    def spec_keys(self) -> list[tuple]:
+        """One stream's device-side rounds at the first session's table widths (spec_steps), for
+        the engine to warm while idle once ready."""
+        if self.loop is None:
+            return []
+        W = self.table_width(1)
+        return [shapes.spec(1, M, self.loop.rounds, self.loop.depth, False) for M in (W, 2 * W, 4 * W)]
 
     def verify_keys(self, depth: int) -> list[tuple]:
         """The verify steps one stream meets most (chains of 3 and of `depth` tokens, a short context):

@@ -189,6 +189,20 @@ class Scheduler:
             if self.bm.can_grow(seq, want):
                 self.bm.grow(seq, want)
 
+    def multi_step_ok(self, seqs) -> bool:
+        """Whether these rows may run several decode steps in one dispatch: all decoding, no grammar
+        and no draft among them, and nothing waiting that could be admitted meanwhile."""
+        return not self.waiting and all(s.decoding and s.constraint is None and not s.draft for s in seqs)
+
+    def grow_ahead(self, plan, tokens: int) -> bool:
+        """Blocks for `tokens` more slots of every row of the plan, if the pool has them all."""
+        if sum(max(0, self.bm.blocks_for(s.num_computed + tokens) - len(s.block_ids)) for s, _ in plan) \
+                > self.bm.num_free:
+            return False
+        for s, _ in plan:
+            self.bm.grow(s, s.num_computed + tokens)
+        return True
+
     def schedule(self) -> tuple[list[tuple[Sequence, int]], int]:
         """Returns [(seq, tokens to feed)] and the number of decode steps to run (> 1 only when every
         scheduled sequence is decoding and nothing is waiting that could be admitted)."""
@@ -238,15 +252,8 @@ class Scheduler:
             plan.append((seq, n))
             budget -= n
         steps = 1
-        if self.decode_steps > 1 and plan and not self.waiting and all(s.decoding and s.constraint is None
-                                                                          and not s.draft for s, _ in plan):
-            steps = self.decode_steps
-            if sum(max(0, self.bm.blocks_for(s.num_computed + steps) - len(s.block_ids))
-                   for s, _ in plan) <= self.bm.num_free:
-                for s, _ in plan:
-                    self.bm.grow(s, s.num_computed + steps)
-            else:
-                steps = 1
+        if self.decode_steps > 1 and plan and self.multi_step_ok([s for s, _ in plan]):
+            steps = self.decode_steps if self.grow_ahead(plan, self.decode_steps) else 1
         if self.lookahead:
             self._grow_lookahead(plan, steps)
         return plan, steps

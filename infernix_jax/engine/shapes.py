@@ -10,6 +10,7 @@ A key names everything a jitted step's compiled form depends on (all plain value
                                          a mixed step with drafts (speculative decoding): K draws
                                          per row, tree masks or not; hybrids' state layouts: Bpre
                                          prefill rows, Bs x Ts verify rows (0 elsewhere)
+  ("spec", B, M, R, D, want_top)        R rounds of device-side n-gram speculation, D-token drafts
   ("copy",)                              the prefix cache's block copy
 A mixed step always takes a token mask and returns the top log-probabilities (one compiled form
 whether or not a row is constrained or asks for logprobs); decode keeps want_top apart (it is the
@@ -47,6 +48,10 @@ def verify(N: int, B: int, M: int, pen: Penalties | None, Bp: int, K: int, tree:
 
 def decode(B: int, M: int, k: int, want_top: bool, pen: Penalties | None) -> tuple:
     return ("decode", B, M, k, bool(want_top), _pen(pen))
+
+
+def spec(B: int, M: int, R: int, D: int, want_top: bool) -> tuple:
+    return ("spec", B, M, R, D, bool(want_top))
 
 
 def _pen(p: Penalties | None):
@@ -140,7 +145,7 @@ RUN_CONTEXT = 2048
 def worth_running(key: tuple, block_size: int) -> bool:
     if key[0] == "copy":
         return True
-    M = key[3] if key[0] in ("mixed", "verify") else key[2]
+    M = key[3] if key[0] in ("mixed", "verify") else key[2]       # (decode, spec: key[2])
     return M * block_size <= RUN_CONTEXT
 
 
@@ -191,6 +196,6 @@ class Seen:
 
 def _key(k: list) -> tuple:
     """A key back from JSON (lists -> tuples), checked for its kind."""
-    if not isinstance(k, list) or not k or k[0] not in ("mixed", "decode", "verify", "copy"):
+    if not isinstance(k, list) or not k or k[0] not in ("mixed", "decode", "verify", "spec", "copy"):
         raise ValueError(f"not a step shape: {k!r}")
     return tuple(tuple(x) if isinstance(x, list) else x for x in k)

@@ -17,8 +17,9 @@ from ..models.kv_pool import PagedKV
 from ..models.paged import forward_paged
 from ..models.qwen3_5.mtp import mtp_chain, mtp_context
 from ..route import REFERENCE, Route, use
-from .sampler import Penalties, SamplingArrays, ThinkGuard, sample
+from .sampler import TOP_LOGPROBS, Penalties, SamplingArrays, ThinkGuard, sample
 from .spec.mtp import MtpRows, step_drafts
+from .spec.ngram import propose_device
 from .spec.verify import DraftArrays, accept, node_states
 
 
@@ -133,6 +134,126 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
                                 jnp.where(alive, mtp_cap, 0), mtp_depth, route)
             outs = (*outs, nxt)
     return replicated(outs), kv
+
+
+@partial(jax.jit, static_argnames=("cfg", "num_rounds", "depth", "route", "want_top", "min_n", "max_n"),
+         donate_argnames=("kv",))
+def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
+               sampling: SamplingArrays, hist, caps, num_rounds: int, depth: int, route: Route = REFERENCE,
+               want_top: bool = False, guard: ThinkGuard | None = None, stop_ids=None, remaining=None,
+               multi_rows=None, min_n: int = 2, max_n: int = 8):
+    """num_rounds rounds of n-gram speculation in one dispatch (attention-only models): each round
+    drafts a chain of `depth` tokens on the device (ngram.propose_device over each row's history),
+    verifies it beside the row's last token in one ragged forward and keeps the longest prefix the
+    target agrees with and its bonus token, so no host round trip separates the rounds. A round in
+    which no row finds a draft runs a one-token decode instead.
+
+    tokens, positions, steps, valid [B] as decode_steps'; hist [B, L] each row's tokens so far
+    (prompt and output, padded; L >= its length + num_rounds * (depth + 1)); caps [B] the row's KV
+    slots (writes past them are dropped); stop_ids, remaining: where a row ends (decode_steps).
+    multi_rows [B] (the reference attention's layout: every row feeds several tokens) or None.
+    Returns per round [R, B, depth + 1] ids and logprobs (and top ids / logprobs), then the tokens
+    each row emitted per round [R, B] (0 once it ended) and the draft tokens it verified [R, B]."""
+    bs, K = kv.block_size, depth + 1
+    dropped = kv.num_blocks * bs
+    B, M = block_tables.shape
+    L = hist.shape[1]
+    ar = jnp.arange(K, dtype=jnp.int32)
+    rep = jax.tree.map(lambda a: jnp.repeat(a, K, axis=0), sampling)
+
+    def verify(kv, tok, pos, st, draft, guard, alive):
+        toks = jnp.concatenate([tok[:, None], jnp.maximum(draft, 0)], axis=1)          # [B, K]
+        at = pos[:, None] + ar[None]
+        blk = jnp.take_along_axis(block_tables, jnp.clip(at // bs, 0, M - 1), axis=1)
+        slots = jnp.where(alive[:, None] & (at < caps[:, None]), blk * bs + at % bs, dropped)
+        cu_q = jnp.arange(B + 1, dtype=jnp.int32) * K
+        h, kv = forward_paged(params, cfg, toks.reshape(-1), at.reshape(-1), slots.reshape(-1), kv, block_tables,
+                              jnp.where(valid, pos + K, 1), cu_q, route, None, multi_rows)
+        g = None
+        if guard is not None:      # the guard's state at each node of the chain
+            chain = DraftArrays(jnp.maximum(draft, 0), jnp.broadcast_to(ar[:-1] - 1, draft.shape))
+            g = node_states(guard.open, chain, lambda o, t: guard.replace(open=o).after(t).open)
+            g = guard.replace(open=g.reshape(-1), enabled=jnp.repeat(guard.enabled, K))
+        out = sample(logits_from_hidden(params, cfg, h), (st[:, None] + ar[None]).reshape(-1), rep, want_top,
+                     guard=g)
+        out = tuple(o.reshape(B, K, *o.shape[1:]) for o in out)
+        held = jnp.cumprod(out[0][:, :-1] == draft, axis=1).sum(axis=1).astype(jnp.int32)      # accepted nodes
+        return kv, out, held
+
+    def plain(kv, tok, pos, st, draft, guard, alive):
+        blk = jnp.take_along_axis(block_tables, jnp.clip(pos // bs, 0, M - 1)[:, None], axis=1)[:, 0]
+        slots = jnp.where(alive & (pos < caps), blk * bs + pos % bs, dropped)
+        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, jnp.where(valid, pos + 1, 1), None,
+                              route)
+        out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, guard=guard)
+        # (as a round whose draft held nothing: the draw at the root, the rest padding)
+        out = tuple(jnp.zeros((B, K, *o.shape[1:]), o.dtype).at[:, 0].set(o) for o in out)
+        return kv, out, jnp.zeros((B,), jnp.int32)
+
+    # a round's outputs: ids, logprobs (and top ids, top logprobs) [B, K, ...]
+    out_zeros = (jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), jnp.float32))
+    if want_top:
+        out_zeros += (jnp.zeros((B, K, TOP_LOGPROBS), jnp.int32), jnp.zeros((B, K, TOP_LOGPROBS), jnp.float32))
+
+    def one(kv, tok, pos, st, hist, hlen, emitted, guard, alive):
+        draft, _ = propose_device(hist, hlen, depth, min_n, max_n)                    # [B, depth]
+        draft = jnp.where(alive[:, None], draft, -1)
+        drafting = jnp.any(draft >= 0)
+        kv, out, held = _either(drafting, verify, plain, kv, out_zeros, tok, pos, st, draft, guard, alive)
+        ids = out[0]
+        n = held + 1                                                     # tokens this round emits
+        if stop_ids is not None:   # a row ends at its first stop token or its last allowed token
+            stop = ((ids[:, :, None] == stop_ids[:, None, :]).any(-1)
+                    | (emitted[:, None] + ar[None] + 1 >= remaining[:, None])) & (ar[None] < n[:, None])
+            n = jnp.where(stop.any(axis=1), jnp.argmax(stop, axis=1) + 1, n)
+            alive_next = alive & ~stop.any(axis=1)
+        else:
+            alive_next = alive
+        n = jnp.where(alive, n, 0).astype(jnp.int32)
+        b = jnp.arange(B)
+        put = jnp.where(ar[None] < n[:, None], hlen[:, None] + ar[None], L)                 # (L: dropped)
+        hist = hist.at[b[:, None], put].set(ids, mode="drop")
+        if guard is not None:
+            is_open = guard.open
+            for j in range(K):         # the state after the tokens emitted, in order
+                is_open = jnp.where(j < n, guard.replace(open=is_open).after(ids[:, j]).open, is_open)
+            guard = guard.replace(open=is_open)
+        tok = jnp.where(n > 0, ids[b, jnp.maximum(n - 1, 0)], tok)
+        drafted = jnp.where(alive, jnp.sum(draft >= 0, axis=1), 0).astype(jnp.int32)
+        return (kv, tok, pos + n, st + n, hist, hlen + n, emitted + n, guard, alive_next), (*out, n, drafted)
+
+    # the rounds' outputs, filled in as they run; a dispatch whose rows have all ended stops early
+    R = num_rounds
+    outs0 = tuple(jnp.zeros((R, *o.shape), o.dtype) for o in out_zeros) + (jnp.zeros((R, B), jnp.int32),) * 2
+
+    def body(c):
+        r, carry, outs = c
+        carry, out = one(*carry)
+        return r + 1, carry, tuple(o.at[r].set(x) for o, x in zip(outs, out))
+
+    with use(route):               # (a row's history is its tokens up to its position)
+        carry = (kv, tokens, positions, steps, hist, positions + 1, jnp.zeros((B,), jnp.int32), guard, valid)
+        _, carry, outs = jax.lax.while_loop(lambda c: (c[0] < num_rounds) & jnp.any(c[1][-1]), body,
+                                            (jnp.int32(0), carry, outs0))
+    return replicated(outs), carry[0]
+
+
+def _either(pred, if_true, if_false, kv, out_zeros, *args):
+    """lax.cond(pred, if_true, if_false, kv, *args) -> (kv, outputs like out_zeros, held [B]) without
+    copying the pool: XLA copies a conditional's big in-place operands (the whole KV pool, each
+    round), not a while loop's, so each branch is a loop that runs once or not at all."""
+    def branch(f, run, state):
+        def body(c):
+            _, kv, _, _ = c
+            kv, out, held = f(kv, *args)
+            return jnp.bool_(False), kv, out, held
+        return jax.lax.while_loop(lambda c: c[0], body, (run, *state))[1:]
+
+    B = out_zeros[0].shape[0]
+    kv, out_t, held_t = branch(if_true, pred, (kv, out_zeros, jnp.zeros((B,), jnp.int32)))
+    kv, out_f, held_f = branch(if_false, ~pred, (kv, out_zeros, jnp.zeros((B,), jnp.int32)))
+    pick = lambda a, b: jnp.where(pred, a, b)  # noqa: E731
+    return kv, jax.tree.map(pick, out_t, out_f), pick(held_t, held_f)
 
 
 @partial(jax.jit, static_argnames=("cfg", "route"))

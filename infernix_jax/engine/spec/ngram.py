@@ -6,9 +6,13 @@ occurrence of a sequence's last few tokens is a good guess at what comes next.
 occurs earlier in its prompt and output, and proposes the k tokens that followed its latest
 occurrence. With tree_nodes > 0 it gathers the continuations of every occurrence of that suffix
 (two versions of a file: the same line followed by different text) into one tree, latest first,
-so that one round verifies them all. numpy over the token array: no index to keep up to date."""
+so that one round verifies them all. numpy over the token array: no index to keep up to date.
+
+`propose_device` is the chain lookup in jnp, for the rounds that run on the device one after
+another inside one dispatch (steps.spec_steps): the same draft as `propose` over a padded history."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from .draft import MAX_NODES, Draft
@@ -69,10 +73,33 @@ def propose(ids: np.ndarray, k: int, min_n: int = 2, max_n: int = 8, tree_nodes:
     return Draft(tokens, parents, "tree", _kind("tree", n, max_n)) if tokens else None
 
 
+def propose_device(hist, hlen, k: int, min_n: int = 2, max_n: int = 8):
+    """propose's chain on the device: hist [B, L] int32 (each row's prompt and output, padded),
+    hlen [B] its length -> (draft [B, k] int32, padded with -1, a token no draw equals; n [B]: the
+    length of the suffix match behind it, 0 for none). O(L * max_n) compares a row: a few
+    microseconds against a decoder step."""
+    B, L = hist.shape
+    b = jnp.arange(B)[:, None]
+    p = jnp.arange(L - 1)[None]                  # an occurrence ends at p; its continuation starts at p + 1
+    run = jnp.zeros((B, L - 1), jnp.int32)       # how many tokens before p + 1 match the suffix
+    live = p + 1 < hlen[:, None]                 # (the continuation starts inside the history)
+    for i in range(max_n):
+        tail = hist[b[:, 0], jnp.clip(hlen - 1 - i, 0, L - 1)][:, None]
+        ok = (p - i >= 0) & (hlen[:, None] - 1 - i >= 0) & (hist[b, jnp.clip(p - i, 0, L - 1)] == tail)
+        live = live & ok
+        run = run + live
+    n = run.max(axis=1)                          # (at most max_n)
+    n = jnp.where(n >= min_n, n, 0)
+    end = jnp.max(jnp.where((run >= n[:, None]) & (n[:, None] > 0), p, -1), axis=1)     # the latest
+    at = end[:, None] + 1 + jnp.arange(k)[None]
+    draft = jnp.where((end[:, None] >= 0) & (at < hlen[:, None]), hist[b, jnp.clip(at, 0, L - 1)], -1)
+    return draft.astype(jnp.int32), n
+
+
 def _kind(method: str, n: int, max_n: int) -> str:
     """The acceptance statistics' key of a draft from an n-token match: a match of the whole window
     is most likely a copy going on, a short one often chance."""
     return f"{method}-{'short' if n < LONG else 'full' if n >= max_n else 'mid'}"
 
 
-__all__ = ["matches", "propose"]
+__all__ = ["matches", "propose", "propose_device"]

@@ -29,6 +29,19 @@ PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # (other kinds' prior; how many rounds a
 DECAY = 0.9                             # per round: recent rounds count most (a copy starts, then ends)
 MARGIN = 1.05                           # auto drafts when it expects >= 5 % more tokens per second
 PROBE_EVERY = 16                        # auto, while declining: a round every 16 tokens or so anyway
+PROBE_DISPATCHES = 8                    # auto: every 8th dispatch runs the other of loop / plain decode
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """Device-side n-gram speculation (steps.spec_steps): up to `rounds` rounds per dispatch, each
+    verifying a chain of up to `depth` tokens found by prompt lookup (min_n..max_n-token matches).
+    A batch of decoding rows takes it instead of plain decode steps: the host leaves the rounds
+    alone, so none waits on Python between them."""
+    depth: int
+    rounds: int
+    min_n: int = 2
+    max_n: int = 8
 
 
 @dataclasses.dataclass
@@ -91,13 +104,19 @@ class Timings:
     def __init__(self):
         self.decode: dict[int, float] = {}
         self.mixed: dict[int, float] = {}
+        self.per_token: dict[tuple[str, int], float] = {}    # ("loop" | "plain", B): seconds per token emitted
 
     @staticmethod
     def _ema(table: dict, key: int, value: float) -> None:
         table[key] = value if key not in table else 0.8 * table[key] + 0.2 * value
 
-    def record(self, plan, num_steps: int, seconds: float) -> None:
+    def record(self, plan, num_steps: int, seconds: float, emitted: int = 0, rounds: int = 0) -> None:
+        """A dispatch's time: emitted (its tokens, all rows) and rounds > 0 for a spec_steps one."""
         B = steps.bucket(len(plan), minimum=1)
+        if rounds or num_steps > 1:
+            self._ema(self.per_token, ("loop" if rounds else "plain", B), seconds / max(emitted, 1))
+        if rounds:
+            return
         if num_steps > 1:
             self._ema(self.decode, B, seconds / num_steps)
         else:
@@ -135,10 +154,21 @@ class Speculator:
             raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE)} (got {mode!r})")
         self.mode, self.k, self.tree_nodes, self.min_n, self.max_n = mode, max_tokens, tree_nodes, min_n, max_n
         self.mtp = mtp                   # the steps run the MTP head (its drafts: seq.mtp_next)
+        self.loop: Loop | None = None    # device-side rounds, where the engine can run them (Engine)
+        self.dispatches = 0
         self.timings = Timings()
         self.stats: dict[str, MethodStats] = {}
-        # drafter(seq, ids [L] int32, k) -> Draft | None: the n-gram lookup (tests put others here)
-        self.drafter = lambda seq, ids, k: ngram.propose(ids, k, self.min_n, self.max_n, self.tree_nodes)
+        self._drafter = lambda seq, ids, k: ngram.propose(ids, k, self.min_n, self.max_n, self.tree_nodes)
+
+    @property
+    def drafter(self):
+        """drafter(seq, ids [L] int32, k) -> Draft | None: the n-gram lookup (tests put others here;
+        the device-side rounds can only look up n-grams, so another drafter turns them off)."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, fn) -> None:
+        self._drafter, self.loop = fn, None
 
     def propose(self, seq, batch: int, tokens_left: int) -> Draft | None:
         """A draft for seq at this batch size (None: decode plainly this round)."""
@@ -180,6 +210,39 @@ class Speculator:
                 best, best_rate = k, rate
         return best, best_rate
 
+    def loop_settings(self, rounds: int) -> Loop | None:
+        """The device-side rounds this mode drafts with (None: host rounds only): chains by prompt
+        lookup, for ngram without trees and auto."""
+        if self.mode == "auto" or (self.mode == "ngram" and not self.tree_nodes):
+            return Loop(self.k, rounds, self.min_n, self.max_n)
+        return None
+
+    def use_loop(self, batch: int) -> bool:
+        """Whether a dispatch of plain decode steps at this batch runs as device-side rounds: always
+        under ngram; under auto, whichever of the two emitted tokens faster lately (measured, per
+        batch bucket), the other every PROBE_DISPATCHES dispatches so that neither goes stale."""
+        if self.loop is None:
+            return False
+        if self.mode != "auto":
+            return True
+        self.dispatches += 1
+        B = steps.bucket(batch, minimum=1)
+        loop, plain = self.timings.per_token.get(("loop", B)), self.timings.per_token.get(("plain", B))
+        if loop is None or plain is None:
+            return loop is None
+        better = loop <= plain
+        return better != (self.dispatches % PROBE_DISPATCHES == 0)
+
+    def observe_rounds(self, seq, rounds) -> None:
+        """The device-side rounds of one row: (drafted, accepted) each (counted as ngram chains)."""
+        seq.spec = seq.spec or SeqStats()
+        for drafted, accepted in rounds:
+            for table in (self.stats, seq.spec.counts):
+                m = table.setdefault("ngram", MethodStats())
+                m.rounds += 1
+                m.drafted += drafted
+                m.accepted += accepted
+
     def observe(self, seq, draft: Draft, accepted: int) -> None:
         depth = max(draft.depths())
         if seq.spec is not None:
@@ -191,4 +254,4 @@ class Speculator:
             m.accepted += accepted
 
 
-__all__ = ["SPECULATIVE", "MethodStats", "SeqStats", "Speculator", "Timings"]
+__all__ = ["SPECULATIVE", "Loop", "MethodStats", "SeqStats", "Speculator", "Timings"]
