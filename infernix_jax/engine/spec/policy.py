@@ -29,7 +29,9 @@ PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # (other kinds' prior; how many rounds a
 DECAY = 0.9                             # per round: recent rounds count most (a copy starts, then ends)
 MARGIN = 1.05                           # auto drafts when it expects >= 5 % more tokens per second
 PROBE_EVERY = 16                        # auto, while declining: a round every 16 tokens or so anyway
-PROBE_DISPATCHES = 8                    # auto: every 8th dispatch runs the other of loop / plain decode
+PROBE_DISPATCHES = 8                    # auto: the other of loop / plain decode 8 dispatches later,
+MAX_PROBE_GAP = 256                     # then twice as long after each probe that did not change the
+                                        # pick (a loop dispatch at batch 64 costs a few plain ones)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,7 @@ class Speculator:
         self.mtp = mtp                   # the steps run the MTP head (its drafts: seq.mtp_next)
         self.loop: Loop | None = None    # device-side rounds, where the engine can run them (Engine)
         self.dispatches = 0
+        self._probe: dict[int, tuple[int, int, bool]] = {}   # auto, per batch bucket: (gap, next probe, pick)
         self.timings = Timings()
         self.stats: dict[str, MethodStats] = {}
         self._drafter = lambda seq, ids, k: ngram.propose(ids, k, self.min_n, self.max_n, self.tree_nodes)
@@ -220,7 +223,8 @@ class Speculator:
     def use_loop(self, batch: int) -> bool:
         """Whether a dispatch of plain decode steps at this batch runs as device-side rounds: always
         under ngram; under auto, whichever of the two emitted tokens faster lately (measured, per
-        batch bucket), the other every PROBE_DISPATCHES dispatches so that neither goes stale."""
+        batch bucket: plain first, then the rounds), the other now and then so that neither goes
+        stale: PROBE_DISPATCHES dispatches on, twice as far after each probe that kept the pick."""
         if self.loop is None:
             return False
         if self.mode != "auto":
@@ -229,9 +233,16 @@ class Speculator:
         B = steps.bucket(batch, minimum=1)
         loop, plain = self.timings.per_token.get(("loop", B)), self.timings.per_token.get(("plain", B))
         if loop is None or plain is None:
-            return loop is None
+            return plain is not None
         better = loop <= plain
-        return better != (self.dispatches % PROBE_DISPATCHES == 0)
+        gap, due, last = self._probe.get(B, (PROBE_DISPATCHES, self.dispatches + PROBE_DISPATCHES, better))
+        if better != last:              # the pick changed: probe soon again
+            gap, due = PROBE_DISPATCHES, self.dispatches + PROBE_DISPATCHES
+        probe = self.dispatches >= due
+        if probe:
+            gap, due = min(2 * gap, MAX_PROBE_GAP), self.dispatches + gap
+        self._probe[B] = (gap, due, better)
+        return better != probe
 
     def observe_rounds(self, seq, rounds) -> None:
         """The device-side rounds of one row: (drafted, accepted) each (counted as ngram chains)."""
