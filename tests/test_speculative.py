@@ -334,3 +334,20 @@ def test_a_served_engine_warms_its_rounds_while_idle(llama):
         assert set(eng.runner.spec_keys()) <= eng.runner.compiled
     finally:
         eng.stop()
+
+
+def test_device_rounds_only_where_they_can_run(llama):
+    """Rounds on the device need several decode steps a dispatch and n-gram chains; on the CPU
+    they are off unless asked for. A recorded rounds shape in an engine without them is skipped at
+    warm-up (no failed dispatch, no pool reset)."""
+    from infernix_jax.engine import shapes
+
+    def loop(**kw):
+        return Engine(llama, max_num_seqs=2, max_model_len=256, speculative="ngram", **kw).spec.loop
+    assert loop(device_rounds=True) is not None
+    assert loop(device_rounds=True, decode_steps=1) is None and loop(device_rounds=True, ngram_tree_nodes=4) is None
+    assert loop() is None                                   # (the CPU's default: host rounds)
+    eng = Engine(llama, max_num_seqs=2, max_model_len=256, speculative="ngram")
+    kv = eng.runner.kv
+    eng.runner.warm(shapes.spec(1, eng.runner.table_width(1), 4, 7, False), run=True)
+    assert eng.runner.kv is kv

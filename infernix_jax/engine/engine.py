@@ -132,7 +132,7 @@ class Engine:
         # device-side rounds (spec_steps) for batches of decoding rows: attention-only models (a hybrid's
         # state would have to roll back inside the loop) and KV formats that take any write
         rounds_here = c.device_rounds if c.device_rounds is not None else on_gpu
-        if self.spec is not None and rounds_here and not hybrid and kv_dtype != "bf16p":
+        if self.spec is not None and rounds_here and steps > 1 and not hybrid and kv_dtype != "bf16p":
             self.spec.loop = self.runner.loop = self.spec.loop_settings(steps)
         if mtp:          # every step drafts with the head; the scheduler keeps slots ahead for its chain
             self.runner.mtp_depth = self.scheduler.lookahead = min(c.num_speculative_tokens or MTP_DEPTH,
@@ -267,6 +267,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001  (a shape that cannot run here: requests will say so)
             log.warning("warm-up: step shape %s failed: %s", key, e)
             self.runner.reset_kv()          # (a failed dispatch may have consumed the donated pool)
+            if self.cache is not None:      # (... and with it the cached blocks' K/V)
+                self.cache.reset()
 
     # ---- admission -----------------------------------------------------------------------------
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
@@ -304,9 +306,11 @@ class Engine:
                 self._emit(seq, Event("error", message="the request does not fit in the KV pool"))
                 self._finish(seq, "abort")
             return
+        # (before the cache's device work: blocks the rounds take may evict cached ones, which the
+        # cache copies to host memory in apply(), before anything overwrites them)
+        rounds = self._rounds(plan, k)
         if self.cache is not None:
             self.cache.apply(self.runner)
-        rounds = self._rounds(plan, k)
         t = time.perf_counter()
         outs = self.runner.run(plan, k, rounds)      # waits for the step's tokens
         dt = time.perf_counter() - t
@@ -320,25 +324,41 @@ class Engine:
     def _rounds(self, plan, k: int) -> int:
         """Device-side speculation rounds for a dispatch of k > 1 plain decode steps (0: run those):
         spec/policy.py decides; each row then needs slots for every token the rounds may write."""
-        if k == 1 or not self._loop_ok([s for s, _ in plan]) or not self.spec.use_loop(len(plan)):
+        seqs = [s for s, _ in plan]
+        if k == 1 or not self._loop_ready(seqs) or not self.spec.use_loop(len(plan)):
             return 0
+        return self.spec.loop.rounds if self.scheduler.grow_ahead(plan, self._span) else 0
+
+    def _span(self, seq: Sequence) -> int:
+        """The slots a dispatch of rounds may write for seq: every round's whole draft, but no more
+        than its output can still take (writes past its blocks are dropped)."""
         loop = self.spec.loop
-        span = loop.rounds * (loop.depth + 1)
-        if self.spec.mode == "auto" and self.warmed_up:
-            # a warmed engine (the server's): auto waits until the rounds' shape is compiled (warmed
-            # while idle) rather than stall a request on a compile; plain decode steps meanwhile
-            M = self.runner.table_width(max(self.bm.blocks_for(s.num_computed + span) for s, _ in plan))
-            key = shapes.spec(bucket(len(plan), minimum=1), M, loop.rounds, loop.depth,
-                              any(s.params.logprobs for s, _ in plan))
-            if key not in self.runner.compiled:
-                return 0
-        return loop.rounds if self.scheduler.grow_ahead(plan, span) else 0
+        return min(loop.rounds * (loop.depth + 1), seq.tokens_left(self.max_context) + 1)
 
     def _loop_ok(self, seqs) -> bool:
         """Whether these rows can run device-side rounds: a multi-step dispatch (scheduler), none
         with penalties (their token histories would change along a draft)."""
         return (self.spec is not None and self.spec.loop is not None and bool(seqs)
                 and self.scheduler.multi_step_ok(seqs) and not any(s.params.penalized for s in seqs))
+
+    def _loop_ready(self, seqs) -> bool:
+        """_loop_ok, and for auto on a warmed engine (the server's) the rounds' shape compiled: auto
+        does not stall a request on a compile while plain decode steps (or host rounds) can run; the
+        shape is queued to compile when the engine is next idle."""
+        if not self._loop_ok(seqs):
+            return False
+        if self.spec.mode != "auto" or not self.warmed_up:
+            return True
+        loop = self.spec.loop
+        M = self.runner.table_width(max(max(len(s.block_ids), self.bm.blocks_for(s.num_computed + self._span(s)))
+                                        for s in seqs))
+        key = shapes.spec(bucket(len(seqs), minimum=1), M, loop.rounds, loop.depth,
+                          any(s.params.logprobs for s in seqs))
+        if key in self.runner.compiled:
+            return True
+        if key not in self._idle_keys:
+            self._idle_keys.append(key)
+        return False
 
     def _propose(self) -> None:
         """Drafts for the running sequences that decode (speculation on): spec/policy.py decides.
@@ -347,7 +367,7 @@ class Engine:
         if self.spec is None:
             return
         running = self.scheduler.running
-        if self._loop_ok(running):
+        if self._loop_ready(running):
             for seq in running:
                 seq.draft = None
             return

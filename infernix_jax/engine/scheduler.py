@@ -194,13 +194,15 @@ class Scheduler:
         and no draft among them, and nothing waiting that could be admitted meanwhile."""
         return not self.waiting and all(s.decoding and s.constraint is None and not s.draft for s in seqs)
 
-    def grow_ahead(self, plan, tokens: int) -> bool:
-        """Blocks for `tokens` more slots of every row of the plan, if the pool has them all."""
-        if sum(max(0, self.bm.blocks_for(s.num_computed + tokens) - len(s.block_ids)) for s, _ in plan) \
+    def grow_ahead(self, plan, tokens) -> bool:
+        """Blocks for `tokens` more slots of every row of the plan (an int, or seq -> int), if the
+        pool has them all."""
+        ahead = tokens if callable(tokens) else (lambda s: tokens)
+        if sum(max(0, self.bm.blocks_for(s.num_computed + ahead(s)) - len(s.block_ids)) for s, _ in plan) \
                 > self.bm.num_free:
             return False
         for s, _ in plan:
-            self.bm.grow(s, s.num_computed + tokens)
+            self.bm.grow(s, s.num_computed + ahead(s))
         return True
 
     def schedule(self) -> tuple[list[tuple[Sequence, int]], int]:

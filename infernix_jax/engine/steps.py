@@ -167,8 +167,9 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         blk = jnp.take_along_axis(block_tables, jnp.clip(at // bs, 0, M - 1), axis=1)
         slots = jnp.where(alive[:, None] & (at < caps[:, None]), blk * bs + at % bs, dropped)
         cu_q = jnp.arange(B + 1, dtype=jnp.int32) * K
+        # (every row's K queries see K keys at least: padding rows too, whose outputs nobody reads)
         h, kv = forward_paged(params, cfg, toks.reshape(-1), at.reshape(-1), slots.reshape(-1), kv, block_tables,
-                              jnp.where(valid, pos + K, 1), cu_q, route, None, multi_rows)
+                              pos + K, cu_q, route, None, multi_rows)
         g = None
         if guard is not None:      # the guard's state at each node of the chain
             chain = DraftArrays(jnp.maximum(draft, 0), jnp.broadcast_to(ar[:-1] - 1, draft.shape))
