@@ -248,6 +248,7 @@ def test_device_ngram_lookup_is_the_host_one():
             assert int(n[r]) == ngram.matches(hist[r, :lens[r]], lo, hi)[0]
 
 
+@pytest.mark.extended          # (35 s: the real model, twice; the rounds are off on the CPU by default)
 def test_device_rounds_change_nothing(smollm):
     """A batch decoding with ngram rounds on the device: greedy, seeded, a stop string, a length
     limit reached inside a round, logprobs: every output is plain decoding's, and copying is sped
