@@ -483,16 +483,14 @@ class Runner:
         """`rounds` rounds of device-side n-gram speculation (steps.spec_steps): every emitted token,
         in order, per row, with the rounds' (drafted, accepted) counts."""
         B, lp = steps.bucket(len(seqs), minimum=1), self.loop
-        M = self.table_width(max(len(s.block_ids) for s in seqs))
-        L = M * self.block_size + lp.depth + 1         # (room for every token the rounds may add)
+        bt = self._block_table(seqs, B)
+        M = bt.shape[1]
         tokens, positions, caps = np.zeros((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
-        valid, hist = np.zeros((B,), bool), np.full((B, L), -1, np.int32)
-        bt = np.zeros((B, M), np.int32)
+        valid, hist = np.zeros((B,), bool), np.full((B, self._history_width(M)), -1, np.int32)
         for i, s in enumerate(seqs):
             tokens[i], positions[i], valid[i] = s.out_ids[-1], len(s) - 1, True
             caps[i] = len(s.block_ids) * self.block_size
             hist[i, :len(s)] = s.all_ids
-            bt[i, :len(s.block_ids)] = s.block_ids
         sampling, st = self._sampling(seqs, B)
         key = shapes.spec(B, M, rounds, lp.depth, want_top)
         self.shapes.seen(key)
@@ -509,6 +507,11 @@ class Runner:
                                   rounds=tuple((int(drafted[r, i]), int(n[r]) - 1) for r in range(rounds)
                                                if drafted[r, i] > 0 and n[r] > 0)))
         return res
+
+    def _history_width(self, M: int) -> int:
+        """spec_steps' history width at block tables [B, M]: the rows' slots and one more round's
+        tokens (room for every token the rounds may add; part of the compiled shape)."""
+        return M * self.block_size + self.loop.depth + 1
 
     def _ends(self, seqs: list[Sequence], B: int) -> dict:
         """Where each row's output ends on the device (decode_steps writes no K/V past it and freezes
@@ -546,7 +549,7 @@ class Runner:
             zeros_b = np.zeros((B,), np.int32)
             lp = self.loop
             return "spec", (zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
-                            SamplingArrays.greedy(B), np.full((B, M * self.block_size + D + 1), -1, np.int32),
+                            SamplingArrays.greedy(B), np.full((B, self._history_width(M)), -1, np.int32),
                             zeros_b), \
                 dict(num_rounds=R, depth=D, route=self.route, want_top=want_top, guard=self._guard([], B),
                      multi_rows=np.arange(B, dtype=np.int32) if self._row_layout else None,

@@ -161,11 +161,18 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
     ar = jnp.arange(K, dtype=jnp.int32)
     rep = jax.tree.map(lambda a: jnp.repeat(a, K, axis=0), sampling)
 
+    def slot_of(at, alive):
+        """The KV slots of positions at [B] or [B, K] of each row: dropped for ended rows and past
+        the row's blocks."""
+        at2 = at.reshape(B, -1)
+        blk = jnp.take_along_axis(block_tables, jnp.clip(at2 // bs, 0, M - 1), axis=1)
+        keep = alive[:, None] & (at2 < caps[:, None])
+        return jnp.where(keep, blk * bs + at2 % bs, dropped).reshape(at.shape)
+
     def verify(kv, tok, pos, st, draft, guard, alive):
         toks = jnp.concatenate([tok[:, None], jnp.maximum(draft, 0)], axis=1)          # [B, K]
         at = pos[:, None] + ar[None]
-        blk = jnp.take_along_axis(block_tables, jnp.clip(at // bs, 0, M - 1), axis=1)
-        slots = jnp.where(alive[:, None] & (at < caps[:, None]), blk * bs + at % bs, dropped)
+        slots = slot_of(at, alive)
         cu_q = jnp.arange(B + 1, dtype=jnp.int32) * K
         # (every row's K queries see K keys at least: padding rows too, whose outputs nobody reads)
         h, kv = forward_paged(params, cfg, toks.reshape(-1), at.reshape(-1), slots.reshape(-1), kv, block_tables,
@@ -182,10 +189,8 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         return kv, out, held
 
     def plain(kv, tok, pos, st, draft, guard, alive):
-        blk = jnp.take_along_axis(block_tables, jnp.clip(pos // bs, 0, M - 1)[:, None], axis=1)[:, 0]
-        slots = jnp.where(alive & (pos < caps), blk * bs + pos % bs, dropped)
-        h, kv = forward_paged(params, cfg, tok, pos, slots, kv, block_tables, jnp.where(valid, pos + 1, 1), None,
-                              route)
+        h, kv = forward_paged(params, cfg, tok, pos, slot_of(pos, alive), kv, block_tables,
+                              jnp.where(valid, pos + 1, 1), None, route)
         out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, guard=guard)
         # (as a round whose draft held nothing: the draw at the root, the rest padding)
         out = tuple(jnp.zeros((B, K, *o.shape[1:]), o.dtype).at[:, 0].set(o) for o in out)

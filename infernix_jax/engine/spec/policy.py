@@ -248,20 +248,20 @@ class Speculator:
         """The device-side rounds of one row: (drafted, accepted) each (counted as ngram chains)."""
         seq.spec = seq.spec or SeqStats()
         for drafted, accepted in rounds:
-            for table in (self.stats, seq.spec.counts):
-                m = table.setdefault("ngram", MethodStats())
-                m.rounds += 1
-                m.drafted += drafted
-                m.accepted += accepted
+            self._count(seq, "ngram", drafted, accepted)
 
     def observe(self, seq, draft: Draft, accepted: int) -> None:
         depth = max(draft.depths())
         if seq.spec is not None:
             seq.spec.observe(draft.kind, depth, accepted)
+        self._count(seq, draft.method, depth, accepted)
+
+    def _count(self, seq, method: str, drafted: int, accepted: int) -> None:
+        """One verified round in the engine's counts and the sequence's (the request log's)."""
         for table in (self.stats, (seq.spec.counts if seq.spec is not None else {})):
-            m = table.setdefault(draft.method, MethodStats())
+            m = table.setdefault(method, MethodStats())
             m.rounds += 1
-            m.drafted += depth
+            m.drafted += drafted
             m.accepted += accepted
 
 
