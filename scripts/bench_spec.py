@@ -7,7 +7,7 @@
                 hold both)
   free-chat     a question with nothing to copy (speculation must not lose)
 
-Each workload runs with speculation off, ngram (chains), tree (--ngram-tree-nodes 16) and auto
+Each workload runs with speculation off, ngram (chains), tree (--ngram-tree-nodes 16; tree32: 32) and auto
 (and mtp, asked for, on a checkpoint with an MTP head) on the same engine settings; every mode's
 output must equal off's token for token (the bench fails otherwise). Decode tok/s is the better of
 the third and fourth runs of each (the first two compile and fill the prefix cache, so prefill is
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 MODES = {"off": dict(speculative="off"), "ngram": dict(speculative="ngram"),
-         "tree": dict(speculative="ngram", ngram_tree_nodes=16), "auto": dict(speculative="auto"),
+         "tree": dict(speculative="ngram", ngram_tree_nodes=16), "tree32": dict(speculative="ngram", ngram_tree_nodes=32),
+         "auto": dict(speculative="auto"),
          "mtp": dict(speculative="mtp")}       # (a checkpoint with an MTP head: Qwen3.5, Qwen3-Next)
 
 

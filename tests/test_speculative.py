@@ -248,33 +248,67 @@ def test_device_ngram_lookup_is_the_host_one():
             assert int(n[r]) == ngram.matches(hist[r, :lens[r]], lo, hi)[0]
 
 
-@pytest.mark.extended          # (35 s: the real model, twice; the rounds are off on the CPU by default)
+def test_device_tree_lookup_is_the_host_one():
+    """propose_tree_device builds the tree propose does (nodes, parents, depths, ancestor bits, in
+    the same order) over padded histories: small alphabets, so occurrences share prefixes, differ
+    and run past the row's end; node caps below and above the occurrences found."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(1)
+    branched = 0
+    for _ in range(40):
+        B, L = 4, 80
+        hist = np.full((B, L), 7777, np.int32)
+        lens = rng.integers(1, L, B)
+        for r in range(B):
+            hist[r, :lens[r]] = rng.integers(0, int(rng.integers(2, 5)), lens[r])
+        k, nodes, lo = int(rng.integers(1, 9)), int(rng.choice([1, 3, 8, 16, 32])), int(rng.integers(1, 3))
+        hi = int(rng.integers(lo, 9))
+        tok, par, dep, anc = (np.asarray(a) for a in ngram.propose_tree_device(
+            jnp.asarray(hist), jnp.asarray(lens, jnp.int32), k, nodes, lo, hi))
+        for r in range(B):
+            want = ngram.propose(hist[r, :lens[r]], k, lo, hi, tree_nodes=nodes)
+            m = len(want) if want else 0
+            assert tok[r, m:].tolist() == [-1] * (nodes - m) and par[r, m:].tolist() == [-2] * (nodes - m)
+            if want:
+                assert tok[r, :m].tolist() == want.tokens and par[r, :m].tolist() == want.parents
+                assert dep[r, :m].tolist() == want.depths()
+                assert anc[r, :m].tolist() == want.ancestors().tolist()
+                branched += not want.is_chain
+    assert branched > 20                     # (the trees compared branch: not chains only)
+
+
+@pytest.mark.extended          # (~80 s: the real model, three times; the rounds are off on the CPU by default)
 def test_device_rounds_change_nothing(smollm):
-    """A batch decoding with ngram rounds on the device: greedy, seeded, a stop string, a length
-    limit reached inside a round, logprobs: every output is plain decoding's, and copying is sped
-    up (drafts held). The rounds' shape is recorded for warm-up and warms again."""
+    """A batch decoding with ngram rounds on the device, chains and trees: greedy, seeded, a stop
+    string, a length limit reached inside a round, logprobs: every output is plain decoding's, and
+    copying is sped up (drafts held). One prompt holds two versions of the code and asks for the
+    older: the trees accept branches other than their first, whose K/V the rounds move to where
+    their positions belong (without the move the greedy output differs: checked by mutation). The
+    rounds' shape is recorded for warm-up and warms again."""
+    v2 = COPY.replace("Shape", "Figure").replace("sides", "edges").replace("name", "label")
+    two = smollm.tokenizer.encode_chat([{"role": "user", "content": f"Version 1:\n\n{COPY}\nVersion 2:\n\n{v2}\n"
+                                         "Repeat version 1 exactly, nothing else."}])
     p = copy_prompt(smollm.tokenizer)
     q = copy_prompt(smollm.tokenizer, COPY.replace("Shape", "Figure").replace("sides", "edges"))
 
     def reqs():
-        return [Request(p, SamplingParams(max_tokens=64, temperature=0, logprobs=True, top_logprobs=3)),
+        return [Request(two, SamplingParams(max_tokens=64, temperature=0, logprobs=True, top_logprobs=3)),
                 Request(q, SamplingParams(max_tokens=48, temperature=0.8, seed=7)),
                 Request(p, SamplingParams(max_tokens=64, temperature=0, stop=("describe",))),
-                Request(q, SamplingParams(max_tokens=13, temperature=0, ignore_eos=True))]
+                Request(two, SamplingParams(max_tokens=13, temperature=0, ignore_eos=True))]
     plain, _ = run_engine(smollm, reqs, "off")
-    got, eng = run_engine(smollm, reqs, "ngram")
-    for a, b in zip(plain, got):
-        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
-    assert len(got[3].token_ids) == 13 and got[2].finish_reason == "stop"
-    lp_a = [lp for lp in plain[0].logprobs]
-    lp_b = [lp for lp in got[0].logprobs]
-    assert [x[0] for x in lp_b] == [x[0] for x in lp_a]
-    assert np.allclose([x[1] for x in lp_b], [x[1] for x in lp_a], atol=2e-3)
-    st = eng.spec.stats["ngram"]
-    assert st.rounds > 0 and st.accepted > 0.3 * st.drafted       # (the copies hold)
-    keys = [k for k in eng.runner.shapes.counts if k[0] == "spec"]
-    assert keys
-    eng.runner.warm(keys[-1], run=True)          # (on padding: no request's blocks are touched)
+    for method, kw in (("ngram", {}), ("tree", dict(ngram_tree_nodes=16))):
+        got, eng = run_engine(smollm, reqs, "ngram", **kw)
+        for a, b in zip(plain, got):
+            assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+        assert len(got[3].token_ids) == 13 and got[2].finish_reason == "stop"
+        assert [x[0] for x in got[0].logprobs] == [x[0] for x in plain[0].logprobs]
+        assert np.allclose([x[1] for x in got[0].logprobs], [x[1] for x in plain[0].logprobs], atol=2e-3)
+        st = eng.spec.stats[method]
+        assert st.rounds > 0 and st.accepted > 0.3 * st.drafted       # (the copies hold)
+        keys = [k for k in eng.runner.shapes.counts if k[0] == "spec"]
+        assert keys and keys[-1][-1] == kw.get("ngram_tree_nodes", 0)
+        eng.runner.warm(keys[-1], run=True)          # (on padding: no request's blocks are touched)
 
 
 @pytest.mark.extended
@@ -302,7 +336,8 @@ def test_auto_picks_rounds_or_plain_decoding_by_measured_speed():
     the other one every few dispatches, so that a copy starting later is noticed."""
     sp = Speculator("auto", 8)
     sp.loop = sp.loop_settings(8)
-    assert sp.loop is not None and Speculator("ngram", 8, tree_nodes=4).loop_settings(8) is None
+    assert sp.loop is not None and Speculator("ngram", 8, tree_nodes=4).loop_settings(8).nodes == 4
+    assert Speculator("mtp", 8).loop_settings(8) is None
     assert not sp.use_loop(1)                                # nothing measured: plain decoding first
     sp.timings.per_token[("plain", 1)] = 0.001
     assert sp.use_loop(1)                                    # then the rounds
@@ -338,17 +373,18 @@ def test_a_served_engine_warms_its_rounds_while_idle(llama):
 
 
 def test_device_rounds_only_where_they_can_run(llama):
-    """Rounds on the device need several decode steps a dispatch and n-gram chains; on the CPU
-    they are off unless asked for. A recorded rounds shape in an engine without them is skipped at
+    """Rounds on the device need several decode steps a dispatch and n-gram drafts (chains or
+    trees); on the CPU they are off unless asked for. A recorded rounds shape in an engine without them is skipped at
     warm-up (no failed dispatch, no pool reset)."""
     from infernix_jax.engine import shapes
 
     def loop(**kw):
         return Engine(llama, max_num_seqs=2, max_model_len=256, speculative="ngram", **kw).spec.loop
     assert loop(device_rounds=True) is not None
-    assert loop(device_rounds=True, decode_steps=1) is None and loop(device_rounds=True, ngram_tree_nodes=4) is None
+    assert loop(device_rounds=True, decode_steps=1) is None and loop(device_rounds=True, ngram_tree_nodes=4).nodes == 4
     assert loop() is None                                   # (the CPU's default: host rounds)
     eng = Engine(llama, max_num_seqs=2, max_model_len=256, speculative="ngram")
     kv = eng.runner.kv
     eng.runner.warm(shapes.spec(1, eng.runner.table_width(1), 4, 7, False), run=True)
+    eng.runner.warm(("spec", 1, eng.runner.table_width(1), 4, 7, False), run=True)     # (an older record's form)
     assert eng.runner.kv is kv

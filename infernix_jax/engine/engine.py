@@ -333,7 +333,7 @@ class Engine:
         """The slots a dispatch of rounds may write for seq: every round's whole draft, but no more
         than its output can still take (writes past its blocks are dropped)."""
         loop = self.spec.loop
-        return min(loop.rounds * (loop.depth + 1), seq.tokens_left(self.max_context) + 1)
+        return min(loop.span(), seq.tokens_left(self.max_context) + 1 + loop.tree_extra)
 
     def _loop_ok(self, seqs) -> bool:
         """Whether these rows can run device-side rounds: a multi-step dispatch (scheduler), none
@@ -353,7 +353,7 @@ class Engine:
         M = self.runner.table_width(max(max(len(s.block_ids), self.bm.blocks_for(s.num_computed + self._span(s)))
                                         for s in seqs))
         key = shapes.spec(bucket(len(seqs), minimum=1), M, loop.rounds, loop.depth,
-                          any(s.params.logprobs for s in seqs))
+                          any(s.params.logprobs for s in seqs), loop.nodes)
         if key in self.runner.compiled:
             return True
         if key not in self._idle_keys:

@@ -492,13 +492,13 @@ class Runner:
             caps[i] = len(s.block_ids) * self.block_size
             hist[i, :len(s)] = s.all_ids
         sampling, st = self._sampling(seqs, B)
-        key = shapes.spec(B, M, rounds, lp.depth, want_top)
+        key = shapes.spec(B, M, rounds, lp.depth, want_top, lp.nodes)
         self.shapes.seen(key)
         self.compiled.add(key)
         out = self._device("spec", tokens, positions, bt, valid, st, sampling, hist, caps, num_rounds=rounds,
                            depth=lp.depth, route=self.route, want_top=want_top, guard=self._guard(seqs, B),
                            multi_rows=np.arange(B, dtype=np.int32) if self._row_layout else None,
-                           min_n=lp.min_n, max_n=lp.max_n, **self._ends(seqs, B))
+                           min_n=lp.min_n, max_n=lp.max_n, tree_nodes=lp.nodes, **self._ends(seqs, B))
         *out, emitted, drafted = jax.device_get(out)        # each [R, B, K] (top: [R, B, K, TOP]); [R, B]
         res = []
         for i in range(len(seqs)):
@@ -532,8 +532,8 @@ class Runner:
         if key[0] == "copy":
             self.copy_blocks([])         # the prefix cache's copy-on-write
             return
-        if key[0] == "spec" and self.loop is None:     # (a record of a run with device-side rounds on)
-            return
+        if key[0] == "spec" and (self.loop is None or len(key) != 7 or key[6] != self.loop.nodes):
+            return             # (a record of a run with other device-side rounds, or none)
         op, args, kw = self.padding_call(key)
         # (the same keywords as run(): jit keys its cache on them)
         self._device(op, *args, compile_only=True, **kw)
@@ -545,7 +545,7 @@ class Runner:
     def padding_call(self, key: tuple) -> tuple[str, tuple, dict]:
         """(op, args, keywords) of a step of shape `key` on padding rows (warm-up, benchmarks)."""
         if key[0] == "spec":
-            _, B, M, R, D, want_top = key
+            _, B, M, R, D, want_top, nodes = key
             zeros_b = np.zeros((B,), np.int32)
             lp = self.loop
             return "spec", (zeros_b, zeros_b, np.zeros((B, M), np.int32), np.zeros((B,), bool), zeros_b,
@@ -553,7 +553,7 @@ class Runner:
                             zeros_b), \
                 dict(num_rounds=R, depth=D, route=self.route, want_top=want_top, guard=self._guard([], B),
                      multi_rows=np.arange(B, dtype=np.int32) if self._row_layout else None,
-                     min_n=lp.min_n, max_n=lp.max_n, **self._ends([], B))
+                     min_n=lp.min_n, max_n=lp.max_n, tree_nodes=nodes, **self._ends([], B))
         if key[0] == "decode":
             _, B, M, k, want_top, pen = key
             zeros_b = np.zeros((B,), np.int32)
@@ -620,7 +620,8 @@ class Runner:
         if self.loop is None:
             return []
         W = self.table_width(1)
-        return [shapes.spec(1, M, self.loop.rounds, self.loop.depth, False) for M in (W, 2 * W, 4 * W)]
+        lp = self.loop
+        return [shapes.spec(1, M, lp.rounds, lp.depth, False, lp.nodes) for M in (W, 2 * W, 4 * W)]
 
     def verify_keys(self, depth: int) -> list[tuple]:
         """The verify steps one stream meets most (chains of 3 and of `depth` tokens, a short context):

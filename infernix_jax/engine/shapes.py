@@ -10,7 +10,8 @@ A key names everything a jitted step's compiled form depends on (all plain value
                                          a mixed step with drafts (speculative decoding): K draws
                                          per row, tree masks or not; hybrids' state layouts: Bpre
                                          prefill rows, Bs x Ts verify rows (0 elsewhere)
-  ("spec", B, M, R, D, want_top)        R rounds of device-side n-gram speculation, D-token drafts
+  ("spec", B, M, R, D, want_top, T)     R rounds of device-side n-gram speculation, D-token drafts
+                                         (chains; T > 0: trees of T nodes)
   ("copy",)                              the prefix cache's block copy
 A mixed step always takes a token mask and returns the top log-probabilities (one compiled form
 whether or not a row is constrained or asks for logprobs); decode keeps want_top apart (it is the
@@ -50,8 +51,8 @@ def decode(B: int, M: int, k: int, want_top: bool, pen: Penalties | None) -> tup
     return ("decode", B, M, k, bool(want_top), _pen(pen))
 
 
-def spec(B: int, M: int, R: int, D: int, want_top: bool) -> tuple:
-    return ("spec", B, M, R, D, bool(want_top))
+def spec(B: int, M: int, R: int, D: int, want_top: bool, nodes: int = 0) -> tuple:
+    return ("spec", B, M, R, D, bool(want_top), nodes)
 
 
 def _pen(p: Penalties | None):

@@ -13,13 +13,13 @@ from ..config import ModelConfig
 from ..sharding import replicated
 from ..models import forward
 from ..models.llama import KVCache, logits_from_hidden
-from ..models.kv_pool import PagedKV
+from ..models.kv_pool import PagedKV, move_slots
 from ..models.paged import forward_paged
 from ..models.qwen3_5.mtp import mtp_chain, mtp_context
 from ..route import REFERENCE, Route, use
 from .sampler import TOP_LOGPROBS, Penalties, SamplingArrays, ThinkGuard, sample
 from .spec.mtp import MtpRows, step_drafts
-from .spec.ngram import propose_device
+from .spec.ngram import propose_device, propose_tree_device
 from .spec.verify import DraftArrays, accept, node_states
 
 
@@ -136,25 +136,28 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
     return replicated(outs), kv
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_rounds", "depth", "route", "want_top", "min_n", "max_n"),
-         donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "num_rounds", "depth", "route", "want_top", "min_n", "max_n",
+                                   "tree_nodes"), donate_argnames=("kv",))
 def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
                sampling: SamplingArrays, hist, caps, num_rounds: int, depth: int, route: Route = REFERENCE,
                want_top: bool = False, guard: ThinkGuard | None = None, stop_ids=None, remaining=None,
-               multi_rows=None, min_n: int = 2, max_n: int = 8):
+               multi_rows=None, min_n: int = 2, max_n: int = 8, tree_nodes: int = 0):
     """num_rounds rounds of n-gram speculation in one dispatch (attention-only models): each round
     drafts a chain of `depth` tokens on the device (ngram.propose_device over each row's history),
-    verifies it beside the row's last token in one ragged forward and keeps the longest prefix the
-    target agrees with and its bonus token, so no host round trip separates the rounds. A round in
-    which no row finds a draft runs a one-token decode instead.
+    or with tree_nodes > 0 a tree of that many nodes up to `depth` deep (ngram.propose_tree_device),
+    verifies it beside the row's last token in one ragged forward and keeps the longest prefix (the
+    tree's longest path) the target agrees with and its bonus token, so no host round trip separates
+    the rounds. A tree's accepted nodes not written where their positions belong are moved there
+    (kv_pool.move_slots). A round in which no row finds a draft runs a one-token decode instead.
 
     tokens, positions, steps, valid [B] as decode_steps'; hist [B, L] each row's tokens so far
     (prompt and output, padded; L >= its length + num_rounds * (depth + 1)); caps [B] the row's KV
     slots (writes past them are dropped); stop_ids, remaining: where a row ends (decode_steps).
     multi_rows [B] (the reference attention's layout: every row feeds several tokens) or None.
-    Returns per round [R, B, depth + 1] ids and logprobs (and top ids / logprobs), then the tokens
-    each row emitted per round [R, B] (0 once it ended) and the draft tokens it verified [R, B]."""
-    bs, K = kv.block_size, depth + 1
+    Returns per round [R, B, K] ids and logprobs (and top ids / logprobs; K = 1 + depth, or 1 +
+    tree_nodes), then the tokens each row emitted per round [R, B] (0 once it ended) and the depth
+    of the draft it verified [R, B]."""
+    bs, K = kv.block_size, 1 + (tree_nodes or depth)
     dropped = kv.num_blocks * bs
     B, M = block_tables.shape
     L = hist.shape[1]
@@ -188,6 +191,32 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         held = jnp.cumprod(out[0][:, :-1] == draft, axis=1).sum(axis=1).astype(jnp.int32)      # accepted nodes
         return kv, out, held
 
+    def verify_tree(kv, tok, pos, st, draft, guard, alive):
+        dtok, dpar, ddep, danc = draft                                                   # [B, K - 1] each
+        dz = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), ddep], axis=1)            # each query's depth
+        toks = jnp.concatenate([tok[:, None], jnp.maximum(dtok, 0)], axis=1)
+        slots = slot_of(pos[:, None] + ar[None], alive)             # (the nodes in consecutive slots)
+        tree = (pos + 1, jnp.concatenate([jnp.zeros((B, 1), jnp.int32), danc], axis=1).reshape(-1))
+        h, kv = forward_paged(params, cfg, toks.reshape(-1), (pos[:, None] + dz).reshape(-1), slots.reshape(-1), kv,
+                              block_tables, pos + K, jnp.arange(B + 1, dtype=jnp.int32) * K, route, None, multi_rows,
+                              tree)
+        nodes = DraftArrays(dtok, dpar)
+        g = None
+        if guard is not None:
+            g = node_states(guard.open, nodes, lambda o, t: guard.replace(open=o).after(t).open)
+            g = guard.replace(open=g.reshape(-1), enabled=jnp.repeat(guard.enabled, K))
+        out = sample(logits_from_hidden(params, cfg, h), (st[:, None] + dz).reshape(-1), rep, want_top, guard=g)
+        out = tuple(o.reshape(B, K, *o.shape[1:]) for o in out)
+        emitted, held, path = accept(out[0], nodes)
+        out = tuple(jnp.take_along_axis(o, emitted.reshape(B, K, *(1,) * (o.ndim - 2)), axis=1) for o in out)
+        # the accepted path's K/V to the slots of its positions (a node at index j sits at pos + 1 + j)
+        j = jnp.arange(K - 1, dtype=jnp.int32)[None]
+        move = (path >= 0) & (path != j)
+        src = slot_of(pos[:, None] + 1 + jnp.maximum(path, 0), alive)
+        dst = jnp.where(move, slot_of(pos[:, None] + 1 + j, alive), dropped)
+        kv = _when(jnp.any(move), lambda kv: move_slots(kv, src.reshape(-1), dst.reshape(-1)), kv)
+        return kv, out, held
+
     def plain(kv, tok, pos, st, draft, guard, alive):
         h, kv = forward_paged(params, cfg, tok, pos, slot_of(pos, alive), kv, block_tables,
                               jnp.where(valid, pos + 1, 1), None, route)
@@ -202,10 +231,19 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         out_zeros += (jnp.zeros((B, K, TOP_LOGPROBS), jnp.int32), jnp.zeros((B, K, TOP_LOGPROBS), jnp.float32))
 
     def one(kv, tok, pos, st, hist, hlen, emitted, guard, alive):
-        draft, _ = propose_device(hist, hlen, depth, min_n, max_n)                    # [B, depth]
-        draft = jnp.where(alive[:, None], draft, -1)
-        drafting = jnp.any(draft >= 0)
-        kv, out, held = _either(drafting, verify, plain, kv, out_zeros, tok, pos, st, draft, guard, alive)
+        if tree_nodes:
+            dtok, dpar, ddep, danc = propose_tree_device(hist, hlen, depth, tree_nodes, min_n, max_n)
+            # a node whose slot lies past the row's blocks would have no K/V: never accepted
+            ok = alive[:, None] & (pos[:, None] + 1 + ar[None, :-1] < caps[:, None])
+            dtok, dpar = jnp.where(ok, dtok, -1), jnp.where(ok, dpar, -2)
+            draft, check = (dtok, dpar, ddep, danc), verify_tree
+            deep = jnp.max(jnp.where(dtok >= 0, ddep, 0), axis=1)
+        else:
+            draft, _ = propose_device(hist, hlen, depth, min_n, max_n)                # [B, depth]
+            draft = dtok = jnp.where(alive[:, None], draft, -1)
+            check, deep = verify, jnp.sum(draft >= 0, axis=1)
+        drafting = jnp.any(dtok >= 0)
+        kv, out, held = _either(drafting, check, plain, kv, out_zeros, tok, pos, st, draft, guard, alive)
         ids = out[0]
         n = held + 1                                                     # tokens this round emits
         if stop_ids is not None:   # a row ends at its first stop token or its last allowed token
@@ -225,7 +263,7 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
                 is_open = jnp.where(j < n, guard.replace(open=is_open).after(ids[:, j]).open, is_open)
             guard = guard.replace(open=is_open)
         tok = jnp.where(n > 0, ids[b, jnp.maximum(n - 1, 0)], tok)
-        drafted = jnp.where(alive, jnp.sum(draft >= 0, axis=1), 0).astype(jnp.int32)
+        drafted = jnp.where(alive, deep, 0).astype(jnp.int32)
         return (kv, tok, pos + n, st + n, hist, hlen + n, emitted + n, guard, alive_next), (*out, n, drafted)
 
     # the rounds' outputs, filled in as they run; a dispatch whose rows have all ended stops early
@@ -242,6 +280,11 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         _, carry, outs = jax.lax.while_loop(lambda c: (c[0] < num_rounds) & jnp.any(c[1][-1]), body,
                                             (jnp.int32(0), carry, outs0))
     return replicated(outs), carry[0]
+
+
+def _when(pred, f, kv):
+    """f(kv) if pred else kv, as a loop run once or not at all (no copy of the pool: _either)."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), f(c[1])), (pred, kv))[1]
 
 
 def _either(pred, if_true, if_false, kv, out_zeros, *args):

@@ -139,6 +139,21 @@ def state_bytes_per_seq(cfg: ModelConfig, dtype) -> int:
                        for s, d in state_shapes(cfg, 1, dtype))
 
 
+def move_slots(kv: PagedKV, src, dst) -> PagedKV:
+    """Copy every layer's K/V rows (codes and scales alike) at flat slots src [S] to dst [S] (block
+    * block_size + offset; a dst out of range is skipped): a draft tree's accepted nodes moved to the
+    slots of their positions. All rows are read before any is written. Not for bf16p pools (their
+    escapes are per block)."""
+    assert not kv.k_esc, "bf16p pools cannot move rows"
+
+    def mv(a):                      # [nKV, P, bs, ...] -> rows [nKV, P * bs, ...] (a free reshape)
+        flat = a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
+        rows = flat[:, jnp.clip(src, 0, flat.shape[1] - 1)]
+        return flat.at[:, dst].set(rows, mode="drop").reshape(a.shape)
+    each = lambda t: tuple(mv(a) for a in t)  # noqa: E731
+    return kv.replace(k=each(kv.k), v=each(kv.v), k_scale=each(kv.k_scale), v_scale=each(kv.v_scale))
+
+
 def _attention_fns(route: Route):
     if route.pallas:
         from pallas_kernels import paged_decode_attention as pdk, ragged_paged_attention as rpk

@@ -37,13 +37,29 @@ MAX_PROBE_GAP = 256                     # then twice as long after each probe th
 @dataclasses.dataclass(frozen=True)
 class Loop:
     """Device-side n-gram speculation (steps.spec_steps): up to `rounds` rounds per dispatch, each
-    verifying a chain of up to `depth` tokens found by prompt lookup (min_n..max_n-token matches).
-    A batch of decoding rows takes it instead of plain decode steps: the host leaves the rounds
-    alone, so none waits on Python between them."""
+    verifying a chain of up to `depth` tokens found by prompt lookup (min_n..max_n-token matches),
+    or with nodes > 0 a tree of that many nodes (--ngram-tree-nodes). A batch of decoding rows takes
+    it instead of plain decode steps: the host leaves the rounds alone, so none waits on Python
+    between them."""
     depth: int
     rounds: int
     min_n: int = 2
     max_n: int = 8
+    nodes: int = 0
+
+    @property
+    def method(self) -> str:
+        return "tree" if self.nodes else "ngram"
+
+    @property
+    def tree_extra(self) -> int:
+        """The slots a round's tree takes past its deepest path."""
+        return max(0, self.nodes - self.depth)
+
+    def span(self) -> int:
+        """The slots a dispatch may write past a row's last token: every round's tokens, and the
+        last round's whole tree."""
+        return self.rounds * (self.depth + 1) + self.tree_extra
 
 
 @dataclasses.dataclass
@@ -214,10 +230,10 @@ class Speculator:
         return best, best_rate
 
     def loop_settings(self, rounds: int) -> Loop | None:
-        """The device-side rounds this mode drafts with (None: host rounds only): chains by prompt
-        lookup, for ngram without trees and auto."""
-        if self.mode == "auto" or (self.mode == "ngram" and not self.tree_nodes):
-            return Loop(self.k, rounds, self.min_n, self.max_n)
+        """The device-side rounds this mode drafts with (None: host rounds only): chains or trees
+        (--ngram-tree-nodes) by prompt lookup, for ngram and auto."""
+        if self.mode in ("auto", "ngram"):
+            return Loop(self.k, rounds, self.min_n, self.max_n, self.tree_nodes)
         return None
 
     def use_loop(self, batch: int) -> bool:
@@ -245,10 +261,10 @@ class Speculator:
         return better != probe
 
     def observe_rounds(self, seq, rounds) -> None:
-        """The device-side rounds of one row: (drafted, accepted) each (counted as ngram chains)."""
+        """The device-side rounds of one row: (drafted depth, accepted) each."""
         seq.spec = seq.spec or SeqStats()
         for drafted, accepted in rounds:
-            self._count(seq, "ngram", drafted, accepted)
+            self._count(seq, self.loop.method if self.loop else "ngram", drafted, accepted)
 
     def observe(self, seq, draft: Draft, accepted: int) -> None:
         depth = max(draft.depths())
