@@ -209,4 +209,9 @@ def test_bench_spec_frees_each_modes_engine_before_the_next(smollm, monkeypatch)
             alive.append(weakref.ref(self))
     monkeypatch.setattr(engine_pkg, "Engine", Tracked)
     res = bench_spec.run(smollm, 6, ["free-chat"], ["off", "ngram"], None)
-    assert len(alive) == 2 and set(res["free-chat"]) == {"off", "ngram"}
+    assert len(alive) == 2 and set(res["free-chat"]) == {"off", "ngram", "replay"}
+    assert all(v >= 1 for v in res["free-chat"]["replay"].values())     # (tokens a round: the bonus at least)
+    # the replay of an output that copies the first of two versions: after "1 2" a tree holds both
+    # continuations (3 ..., 4), a chain only the latest (4), and the output takes 3
+    copy = bench_spec.replay([9, 1, 2, 3, 5, 6, 7, 8, 1, 2, 4, 1, 2], [3, 5, 6, 7, 8])
+    assert copy["chain7"] == 5 / 2 and copy["tree16"] == 5.0     # (chains: a failed round, then the rest)
