@@ -13,7 +13,7 @@ output must equal off's token for token (the bench fails otherwise). Decode tok/
 the third and fourth runs of each (the first two compile and fill the prefix cache, so prefill is
 a cache hit every time; a single run on a shared 2-core machine varied by 15 %), less the prefill,
 and printed as a ratio against off, beside acceptance and tokens per verify round. Off's output is
-also replayed with drafts of several shapes (`replay`): the tokens a round each could hold at best,
+also replayed with drafts of several shapes (`replay`): the tokens a step each could hold at best,
 which bounds what any of them can gain on that workload whatever a round costs."""
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ REPLAY = {"chain7": (7, 0), "chain15": (15, 0), "tree16-d7": (7, 16), "tree16": 
 
 def replay(prompt: list[int], output: list[int]) -> dict[str, float]:
     """What drafts of each shape (REPLAY: depth, tree nodes) could hold on this output, timing
-    aside: rounds replayed over the fixed greedy output, each the drafter's draft at that point
-    and the longest path of it the output follows, plus the bonus token -> tokens per round."""
+    aside: steps replayed over the fixed greedy output, each the drafter's draft at that point
+    and the longest path of it the output follows, plus the bonus token -> tokens per step (a step
+    without a draft emits one; the modes' "tokens/round" count verify rounds only)."""
     from infernix_jax.engine.spec import ngram
     full, P, N = np.asarray(prompt + output, np.int32), len(prompt), len(output)
     out = {}
@@ -90,7 +91,7 @@ def run(model, new_tokens: int, names: list[str], modes: list[str], out: str | N
             if plain is None:
                 plain = r.token_ids
                 row["replay"] = replay(prompt, plain)
-                print(f"{name:13s} replay of off's output, tokens a round at best: "
+                print(f"{name:13s} replay of off's output, tokens a step at best: "
                       + ", ".join(f"{k} {v}" for k, v in row["replay"].items()), flush=True)
             elif r.token_ids != plain:
                 raise AssertionError(f"{name}: {mode}'s output differs from speculation off's")
