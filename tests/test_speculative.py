@@ -182,6 +182,30 @@ def test_auto_drafts_only_where_a_round_pays():
     assert st.alpha("ngram") < 0.3 and st.expected("ngram", 8) < 2.5   # (deeper depths keep their record)
 
 
+def test_auto_probes_free_text_ever_more_rarely():
+    """A sequence auto declines to draft for gets a probe round now and then; probes that hold
+    nothing come twice as far apart each time (up to a limit), one that holds brings them back."""
+    import types
+    sp = Speculator("auto", 8)
+    sp.drafter = lambda seq, ids, k: Draft.chain([5] * k)
+    sp.timings.decode = {1: 0.010}
+    sp.timings.mixed = {4: 0.030, 8: 0.030, 16: 0.030}        # (a verify step costs 3 plain ones)
+    seq = types.SimpleNamespace(spec=SeqStats(), out_ids=[], all_ids=[1, 2, 3], mtp_next=None)
+    for _ in range(10):
+        seq.spec.observe("ngram", 8, 0)                      # free text: drafts have failed
+    probes = []
+    for n in range(700):
+        d = sp.propose(seq, 1, 1000)
+        if d is not None:
+            probes.append(n)
+            sp.observe(seq, d, 5 if n > 500 else 0)          # late on, a copy starts: the probe holds
+        seq.out_ids.append(0)
+    gaps = np.diff(probes).tolist()
+    assert gaps[:4] == [16, 32, 64, 128] and max(gaps) == 128
+    late = [p for p in probes if p > 500]
+    assert late[1] - late[0] <= 16                           # (it held: the next probe comes soon)
+
+
 def test_verify_shapes_are_recorded_and_warmed_by_the_next_start(llama, tmp_path):
     """The verify steps a run met are saved with the other shapes; the next start of the same
     engine warms them, and the same drafted requests then compile nothing. One stream's usual

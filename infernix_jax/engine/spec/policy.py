@@ -28,7 +28,9 @@ PRIORS = {"short": 0.3, "mid": 0.7, "full": 0.8,
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 0.5    # (other kinds' prior; how many rounds a prior is worth)
 DECAY = 0.9                             # per round: recent rounds count most (a copy starts, then ends)
 MARGIN = 1.05                           # auto drafts when it expects >= 5 % more tokens per second
-PROBE_EVERY = 16                        # auto, while declining: a round every 16 tokens or so anyway
+PROBE_EVERY = 16                        # auto, while declining: a round every 16 tokens or so anyway,
+MAX_PROBE_EVERY = 128                   # twice as far after each probe that held less than PROBE_PAYS
+PROBE_PAYS = 2                          # draft tokens (a verify step costs ~3 plain ones on the CPU)
 PROBE_DISPATCHES = 8                    # auto: the other of loop / plain decode 8 dispatches later,
 MAX_PROBE_GAP = 256                     # then twice as long after each probe that did not change the
                                         # pick (a loop dispatch at batch 64 costs a few plain ones)
@@ -89,6 +91,8 @@ class SeqStats:
         self.hold: dict[str, np.ndarray] = {}
         self.counts: dict[str, MethodStats] = {}
         self.probe_at = 0                  # auto: the output length at which a declined sequence probes again
+        self.probe_gap = PROBE_EVERY       # (tokens after the next probe; doubles while probes fail)
+        self.probing = False               # the round in flight is a probe
 
     def holds(self, method: str, k: int) -> np.ndarray:
         """[k]: the chance each depth 1..k holds, given those before it did."""
@@ -210,7 +214,7 @@ class Speculator:
             # from a stretch of free text does not stop a copy that starts later
             if len(seq.out_ids) < st.probe_at:
                 return None
-            st.probe_at = len(seq.out_ids) + PROBE_EVERY
+            st.probe_at, st.probing = len(seq.out_ids) + st.probe_gap, True
             return d
         return d.truncated(depth) if d.is_chain else d
 
@@ -268,8 +272,15 @@ class Speculator:
 
     def observe(self, seq, draft: Draft, accepted: int) -> None:
         depth = max(draft.depths())
-        if seq.spec is not None:
-            seq.spec.observe(draft.kind, depth, accepted)
+        st = seq.spec
+        if st is not None:
+            st.observe(draft.kind, depth, accepted)
+            if st.probing:             # free text: probes that fail come ever more rarely (each costs
+                st.probing = False     # a verify step for about one token); one that holds resets it
+                if accepted >= PROBE_PAYS:
+                    st.probe_gap, st.probe_at = PROBE_EVERY, min(st.probe_at, len(seq.out_ids) + PROBE_EVERY)
+                else:
+                    st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_EVERY)
         self._count(seq, draft.method, depth, accepted)
 
     def _count(self, seq, method: str, drafted: int, accepted: int) -> None:
