@@ -335,15 +335,18 @@ def test_device_rounds_change_nothing(smollm):
 
 
 @pytest.mark.extended
-def test_device_rounds_keep_the_thinking_guard(smollm):
+@pytest.mark.parametrize("nodes", [0, 16], ids=["chains", "trees"])
+def test_device_rounds_keep_the_thinking_guard(smollm, nodes):
     """The end-in-thinking guard inside the rounds: a banned token (one the copy needs) never
-    comes while the block is open, at the root or along a draft, exactly as in plain decoding."""
+    comes while the block is open, at the root or along a draft (a chain, or a tree's nodes),
+    exactly as in plain decoding."""
     tok = smollm.tokenizer
     p = copy_prompt(tok)
     banned = tok.encode(" sides")[0]
 
     def run(mode):
-        eng = Engine(smollm, max_num_seqs=2, max_model_len=1024, speculative=mode, device_rounds=True)
+        eng = Engine(smollm, max_num_seqs=2, max_model_len=1024, speculative=mode, device_rounds=True,
+                     ngram_tree_nodes=nodes)
         eng.think_ids = eng.runner.think_ids = (tok.encode(" Shape")[0], tok.encode(" area")[0], (banned,))
         r = eng.generate([Request(p, SamplingParams(max_tokens=40, temperature=0, think_open=True,
                                                     think_guard=True))])[0]
@@ -351,7 +354,7 @@ def test_device_rounds_keep_the_thinking_guard(smollm):
     plain, _ = run("off")
     got, eng = run("ngram")
     assert got == plain and banned not in plain             # (unguarded, the copy has it: " sides")
-    assert eng.spec.stats["ngram"].rounds > 0
+    assert eng.spec.stats["tree" if nodes else "ngram"].rounds > 0
 
 
 def test_auto_picks_rounds_or_plain_decoding_by_measured_speed():
