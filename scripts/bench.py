@@ -116,6 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--mtp", type=int, default=0, metavar="N",
                    help="shapes (qwen3.5 shapes): also time the decode steps with a one-layer MTP head drafting N "
                         "tokens after each dispatch (--speculative mtp), against the same steps without it")
+    p.add_argument("--sampled", action="store_true",
+                   help="shapes: also time the decode steps with every row sampling (temperature 0.7, top_k 20, "
+                        "top_p 0.8), against the same steps greedy")
     p.add_argument("--out", default="bench-out")
     from infernix_jax.choices import GGML_FORMATS
     add_model_args(p, more_weights=GGML_FORMATS)      # shapes also takes a GGUF block type (random blocks)
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
                 return 0
             bench_shapes.run(a.shape, a.out, ints(a.batches), ints(a.contexts), ints(a.prefill_lens), a.attention,
                              ints(a.torch_batches), a.attn_impl or "pallas", a.decode_steps, a.tune, a.weights,
-                             a.kv_dtype or "", fuse=not a.unfused, mtp_depth=a.mtp)
+                             a.kv_dtype or "", fuse=not a.unfused, mtp_depth=a.mtp, sampled=a.sampled)
             return 0
         import jax
         from infernix_jax.loader import load_model

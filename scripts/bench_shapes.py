@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from infernix_jax import sharding
 from infernix_jax.config import PRESETS
@@ -32,6 +33,8 @@ from infernix_jax.quant import WEIGHT_FORMATS
 from infernix_jax.sharding import Parallel
 from infernix_jax.route import Route
 from scripts.bench_probes import GiB, copy_bandwidth, matmul_flops, timed
+
+SAMPLED = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}      # --sampled: Qwen3's recommended (non-thinking)
 
 
 def prefill_flops(cfg, n: int) -> float:
@@ -140,9 +143,12 @@ class Bench:
                           "kv_dtype": self.results["kv_dtype"], **row}), flush=True)
         (self.out / f"bench-{self.shape}{self.suffix}.json").write_text(json.dumps(self.results, indent=1))
 
-    def decode(self, B: int, ctx: int, reps: int = 5, kv_budget_gib: float = 100.0, mtp: bool = False) -> None:
+    def decode(self, B: int, ctx: int, reps: int = 5, kv_budget_gib: float = 100.0, mtp: bool = False,
+               sampled: bool = False) -> None:
         """Decode steps at batch B and context ctx; mtp: with the MTP head's row at each step and its
-        chain of drafts after the last (the engine's --speculative mtp), against the plain row."""
+        chain of drafts after the last (the engine's --speculative mtp), against the plain row;
+        sampled: every row draws with SAMPLED (Qwen's recommended settings), against the greedy row
+        (the sampler's top-k / top-p thresholds are loops: what they cost a step)."""
         M = -(-(ctx + self.k) // self.bs)
         if B * M * self.bs * self.per_tok > kv_budget_gib * GiB:
             return self.emit("decode", {"batch": B, "context": ctx, "skipped": "KV does not fit"})
@@ -156,6 +162,8 @@ class Bench:
         valid = jnp.ones((B,), bool)
         st = jnp.zeros((B,), jnp.int32)
         samp = SamplingArrays.greedy(B)
+        if sampled:
+            samp = samp.replace(**{k: np.full((B,), v, np.asarray(getattr(samp, k)).dtype) for k, v in SAMPLED.items()})
         state = {"kv": kv}
         head = dict(mtp_cap=jnp.full((B,), M * self.bs, jnp.int32), mtp_depth=self.mtp_depth) if mtp else {}
 
@@ -174,10 +182,13 @@ class Bench:
         row = {"batch": B, "context": ctx, "tok_s": round(tok_s, 1), "roofline_tok_s": round(roof, 1),
                "of_roofline": round(tok_s / roof, 3), "ms_per_step": round(1e3 * sec / self.k, 3),
                "compile_s": round(compile_s, 1)}
+        plain = [r for r in self.results["decode"] if (r["batch"], r["context"]) == (B, ctx) and "tok_s" in r
+                 and "mtp_depth" not in r and "sampling" not in r]
+        vs = {"vs_plain": round(tok_s / plain[-1]["tok_s"], 3)} if plain and (mtp or sampled) else {}
         if mtp:
-            plain = [r for r in self.results["decode"] if (r["batch"], r["context"]) == (B, ctx) and "tok_s" in r
-                     and "mtp_depth" not in r]
-            row.update(mtp_depth=self.mtp_depth, **({"vs_plain": round(tok_s / plain[-1]["tok_s"], 3)} if plain else {}))
+            row.update(mtp_depth=self.mtp_depth, **vs)
+        if sampled:
+            row.update(sampling=SAMPLED, **vs)
         self.emit("decode", row)
 
     def prefill(self, n: int, reps: int = 3, chunk: int = 8192) -> None:
@@ -463,7 +474,7 @@ def scaling(shape: str, out: str, batches, contexts, prefills, impl: str, decode
 
 def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torch_batches, impl: str,
         decode_steps: int, tune: bool = False, weights: str | None = None, kv_dtype: str = "",
-        fuse: bool = True, mtp_depth: int = 0) -> dict:
+        fuse: bool = True, mtp_depth: int = 0, sampled: bool = False) -> dict:
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     b = Bench(shape, outdir, decode_steps=decode_steps, impl=impl, weights=weights, kv_dtype=kv_dtype, fuse=fuse,
@@ -479,6 +490,8 @@ def run(shape: str, out: str, batches, contexts, prefills, attention: bool, torc
             b.decode(B, ctx)
             if mtp_depth:
                 b.decode(B, ctx, mtp=True)
+            if sampled:
+                b.decode(B, ctx, sampled=True)
     for n in prefills:
         b.prefill(n)
     if torch_batches:

@@ -177,15 +177,17 @@ def test_auto_with_a_head_is_exact_and_reports_it(copy_model):
     assert f'infernix_spec_rounds{{method="mtp"}} {float(st.rounds)}' in text
 
 
-def test_bench_shapes_times_the_head_beside_plain_decode(tmp_path, monkeypatch):
+def test_bench_shapes_times_the_head_and_sampling_beside_plain_decode(tmp_path, monkeypatch):
     from scripts import bench_shapes
     cfg = dataclasses.replace(tiny().cfg, mtp_layers=0)
     monkeypatch.setitem(bench_shapes.PRESETS, "tiny-hybrid", cfg)
     monkeypatch.setattr(bench_shapes, "copy_bandwidth", lambda: 1e11)     # (the roofline's inputs: slow on a
     monkeypatch.setattr(bench_shapes, "matmul_flops", lambda: 1e12)       # CPU, unused here)
-    res = bench_shapes.run("tiny-hybrid", str(tmp_path), [2], [32], [], False, [], "reference", 2, mtp_depth=3)
-    plain, head = res["decode"]
+    res = bench_shapes.run("tiny-hybrid", str(tmp_path), [2], [32], [], False, [], "reference", 2, mtp_depth=3,
+                           sampled=True)
+    plain, head, sampled = res["decode"]
     assert "mtp_depth" not in plain and head["mtp_depth"] == 3 and head["vs_plain"] > 0
+    assert sampled["sampling"] == bench_shapes.SAMPLED and "mtp_depth" not in sampled and sampled["vs_plain"] > 0
     with pytest.raises(ValueError, match="not a Qwen3.5"):
         bench_shapes.Bench("smollm2-135m", tmp_path, impl="reference", mtp_depth=3)
 
