@@ -37,6 +37,9 @@ def engine_settings(model, directory: str) -> dict:
     per_block = kv_bytes_per_block(model.cfg, model.dtype, "", 16) // 4          # one device's share (a KV head)
     return dict(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128, decode_steps=2,
                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=0.01, state_snapshots=2,
+                # (a fixed RAM tier: with auto resize, a machine loaded below its 2 GiB reserve shrinks
+                # the tier and the prefix comes from the SSD instead; one CI run saw no RAM hit here)
+                ram_resize="off",
                 ssd_context_gib=0.01, ssd_context_dir=os.path.join(directory, "ssd"),
                 prefix_cache_file=os.path.join(directory, "cache.npz"))
 
