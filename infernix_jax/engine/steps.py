@@ -173,41 +173,29 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         return jnp.where(keep, blk * bs + at2 % bs, dropped).reshape(at.shape)
 
     def verify(kv, tok, pos, st, draft, guard, alive):
-        toks = jnp.concatenate([tok[:, None], jnp.maximum(draft, 0)], axis=1)          # [B, K]
-        at = pos[:, None] + ar[None]
-        slots = slot_of(at, alive)
-        cu_q = jnp.arange(B + 1, dtype=jnp.int32) * K
-        # (every row's K queries see K keys at least: padding rows too, whose outputs nobody reads)
-        h, kv = forward_paged(params, cfg, toks.reshape(-1), at.reshape(-1), slots.reshape(-1), kv, block_tables,
-                              pos + K, cu_q, route, None, multi_rows)
-        g = None
-        if guard is not None:      # the guard's state at each node of the chain
-            chain = DraftArrays(jnp.maximum(draft, 0), jnp.broadcast_to(ar[:-1] - 1, draft.shape))
-            g = node_states(guard.open, chain, lambda o, t: guard.replace(open=o).after(t).open)
-            g = guard.replace(open=g.reshape(-1), enabled=jnp.repeat(guard.enabled, K))
-        out = sample(logits_from_hidden(params, cfg, h), (st[:, None] + ar[None]).reshape(-1), rep, want_top,
-                     guard=g)
-        out = tuple(o.reshape(B, K, *o.shape[1:]) for o in out)
-        held = jnp.cumprod(out[0][:, :-1] == draft, axis=1).sum(axis=1).astype(jnp.int32)      # accepted nodes
-        return kv, out, held
-
-    def verify_tree(kv, tok, pos, st, draft, guard, alive):
-        dtok, dpar, ddep, danc = draft                                                   # [B, K - 1] each
+        """One verify forward of each row's last token and its draft's nodes, in consecutive slots:
+        draft = (tok, par, dep [B, K - 1] as verify.DraftArrays and depths, anc: the ancestor bits of
+        a tree, None for a chain: no masks, and every accepted node already sits at its position)."""
+        dtok, dpar, ddep, danc = draft
         dz = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), ddep], axis=1)            # each query's depth
-        toks = jnp.concatenate([tok[:, None], jnp.maximum(dtok, 0)], axis=1)
-        slots = slot_of(pos[:, None] + ar[None], alive)             # (the nodes in consecutive slots)
-        tree = (pos + 1, jnp.concatenate([jnp.zeros((B, 1), jnp.int32), danc], axis=1).reshape(-1))
+        toks = jnp.concatenate([tok[:, None], jnp.maximum(dtok, 0)], axis=1)          # [B, K]
+        slots = slot_of(pos[:, None] + ar[None], alive)
+        tree = None if danc is None else \
+            (pos + 1, jnp.concatenate([jnp.zeros((B, 1), jnp.int32), danc], axis=1).reshape(-1))
+        # (every row's K queries see K keys at least: padding rows too, whose outputs nobody reads)
         h, kv = forward_paged(params, cfg, toks.reshape(-1), (pos[:, None] + dz).reshape(-1), slots.reshape(-1), kv,
                               block_tables, pos + K, jnp.arange(B + 1, dtype=jnp.int32) * K, route, None, multi_rows,
                               tree)
         nodes = DraftArrays(dtok, dpar)
         g = None
-        if guard is not None:
+        if guard is not None:      # the guard's state at each node, along the draft
             g = node_states(guard.open, nodes, lambda o, t: guard.replace(open=o).after(t).open)
             g = guard.replace(open=g.reshape(-1), enabled=jnp.repeat(guard.enabled, K))
         out = sample(logits_from_hidden(params, cfg, h), (st[:, None] + dz).reshape(-1), rep, want_top, guard=g)
         out = tuple(o.reshape(B, K, *o.shape[1:]) for o in out)
         emitted, held, path = accept(out[0], nodes)
+        if danc is None:           # (a chain's accepted path is its first nodes, in emission order)
+            return kv, out, held
         out = tuple(jnp.take_along_axis(o, emitted.reshape(B, K, *(1,) * (o.ndim - 2)), axis=1) for o in out)
         # the accepted path's K/V to the slots of its positions (a node at index j sits at pos + 1 + j)
         j = jnp.arange(K - 1, dtype=jnp.int32)[None]
@@ -236,14 +224,14 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
             # a node whose slot lies past the row's blocks would have no K/V: never accepted
             ok = alive[:, None] & (pos[:, None] + 1 + ar[None, :-1] < caps[:, None])
             dtok, dpar = jnp.where(ok, dtok, -1), jnp.where(ok, dpar, -2)
-            draft, check = (dtok, dpar, ddep, danc), verify_tree
-            deep = jnp.max(jnp.where(dtok >= 0, ddep, 0), axis=1)
-        else:
-            draft, _ = propose_device(hist, hlen, depth, min_n, max_n)                # [B, depth]
-            draft = dtok = jnp.where(alive[:, None], draft, -1)
-            check, deep = verify, jnp.sum(draft >= 0, axis=1)
+        else:                      # a chain: node i's parent is node i - 1, its depth i + 1
+            dtok, _ = propose_device(hist, hlen, depth, min_n, max_n)                 # [B, depth]
+            dtok = jnp.where(alive[:, None], dtok, -1)
+            dpar, ddep = (jnp.broadcast_to(ar[:-1] + d, dtok.shape) for d in (-1, 1))
+            danc = None
+        draft = (dtok, dpar, ddep, danc)
         drafting = jnp.any(dtok >= 0)
-        kv, out, held = _either(drafting, check, plain, kv, out_zeros, tok, pos, st, draft, guard, alive)
+        kv, out, held = _either(drafting, verify, plain, kv, out_zeros, tok, pos, st, draft, guard, alive)
         ids = out[0]
         n = held + 1                                                     # tokens this round emits
         if stop_ids is not None:   # a row ends at its first stop token or its last allowed token
@@ -263,6 +251,7 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
                 is_open = jnp.where(j < n, guard.replace(open=is_open).after(ids[:, j]).open, is_open)
             guard = guard.replace(open=is_open)
         tok = jnp.where(n > 0, ids[b, jnp.maximum(n - 1, 0)], tok)
+        deep = jnp.max(jnp.where(dtok >= 0, ddep, 0), axis=1)                 # the draft's depth
         drafted = jnp.where(alive, deep, 0).astype(jnp.int32)
         return (kv, tok, pos + n, st + n, hist, hlen + n, emitted + n, guard, alive_next), (*out, n, drafted)
 
