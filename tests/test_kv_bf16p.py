@@ -159,7 +159,7 @@ def test_an_engine_on_bf16p_kv_is_bit_identical_to_bf16(tiny_bf16, impl):
     prompts = [shared + list(map(int, rng.integers(10, 40000, n))) for n in (3, 20)]
     _, want = _run(tiny_bf16, prompts, attn_impl=impl)
     eng, got = _run(tiny_bf16, prompts, attn_impl=impl, kv_dtype="bf16p")
-    _, again = _run(tiny_bf16, prompts, attn_impl=impl, kv_dtype="bf16p", prefix_cache_ram_gib=0.01)
+    _, again = _run(tiny_bf16, prompts, attn_impl=impl, kv_dtype="bf16p", prefix_cache_ram_gib=0.01, ram_resize="off")
     for a, b in zip(want, got):                                  # tokens and log-probs, bit for bit
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     assert [r.token_ids for r in again] == [r.token_ids for r in want]
@@ -222,7 +222,7 @@ def test_bf16p_blocks_come_back_from_the_ssd_tier_and_the_cache_file(tiny_bf16, 
     per_block = kv_bytes_per_block(tiny_bf16.cfg, jnp.bfloat16, "bf16p", 16)
     _, want = _run(tiny_bf16, [prompt], n=6)
     eng = Engine(tiny_bf16, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
-                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB, kv_dtype="bf16p",
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB, kv_dtype="bf16p", ram_resize="off",
                  ssd_context_gib=0.01, ssd_context_dir=str(tmp_path / "ssd"))
     eng.generate([Request(system + [5], p)])
     for _ in range(3):                             # device -> RAM (2 blocks) -> SSD

@@ -153,7 +153,7 @@ def test_k8v4_serves_prefix_hits_from_the_ram_tier(smollm):
     """Evicted blocks go to the RAM tier as bytes and come back for a request sharing the prefix."""
     from infernix_jax.engine import Engine, Request, SamplingParams
     e = Engine(smollm, max_num_seqs=1, max_model_len=224, kv_dtype="k8v4", kv_cache_gib=0.0024,
-               prefix_cache_ram_gib=0.05)
+               prefix_cache_ram_gib=0.05, ram_resize="off")
     assert e.plan.block_bytes == 30 * 3 * 16 * (64 + 4 + 32 + 4)
     rng = np.random.default_rng(6)
     shared = [int(t) for t in rng.integers(10, 40000, 120)]

@@ -88,7 +88,8 @@ def test_evicted_blocks_come_back_from_the_ram_tier(tiny, texts, kv_dtype):
     system, prompts = texts
     per_block = kv_bytes_per_block(tiny.cfg, tiny.dtype, kv_dtype, 16)
     eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
-                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB, kv_dtype=kv_dtype)
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB, kv_dtype=kv_dtype,
+                 ram_resize="off")
     assert eng.bm.num_blocks == 10
     want = uncached(tiny, prompts[:2], kv_dtype=kv_dtype)
     assert run(eng, prompts[:1])[0].token_ids == want[0]
@@ -346,7 +347,7 @@ def test_evicted_blocks_come_back_from_the_ssd_tier(tiny, texts, tmp_path, disk,
     system, prompts = texts
     per_block = kv_bytes_per_block(tiny.cfg, tiny.dtype, kv_dtype, 16)
     eng = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
-                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB,
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB, ram_resize="off",
                  ssd_context_gib=0.01, ssd_context_dir=str(tmp_path), kv_dtype=kv_dtype)
     want = uncached(tiny, prompts[:2], kv_dtype=kv_dtype)
     assert run(eng, prompts[:1])[0].token_ids == want[0]
@@ -374,7 +375,7 @@ def test_ssd_read_runs_while_others_decode(tiny, texts, tmp_path):
     system, prompts = texts
     per_block = 2 * tiny.cfg.num_layers * tiny.cfg.num_kv_heads * tiny.cfg.head_dim * 4 * 16
     eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=64, decode_steps=1, max_model_len=128,
-                 kv_cache_gib=12 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB,
+                 kv_cache_gib=12 * per_block / GiB, prefix_cache_ram_gib=2 * per_block / GiB, ram_resize="off",
                  ssd_context_gib=0.01, ssd_context_dir=str(tmp_path))
     want = uncached(tiny, prompts[1:2])[0]
     run(eng, prompts[:1])

@@ -183,7 +183,8 @@ def test_prefix_cache_tiers_and_snapshots_on_a_mesh(dense, smollm):
     prompts = [system + list(map(int, rng.integers(10, 49000, 6))) for _ in range(2)]
     per_block = kv_bytes_per_block(dense.cfg, dense.dtype, "", 16) // 4          # one device's share
     eng = Engine(dense, max_num_seqs=1, max_num_batched_tokens=64, decode_steps=2, max_model_len=128,
-                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB, parallel=Parallel(4))
+                 kv_cache_gib=10 * per_block / GiB, prefix_cache_ram_gib=64 * per_block / GiB, parallel=Parallel(4),
+                 ram_resize="off")
     assert eng.bm.num_blocks == 10
     want = tokens(dense, prompts, n=4)[0]
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
