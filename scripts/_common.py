@@ -172,10 +172,10 @@ def add_engine_args(p):
                    help="n-gram drafts as trees of up to N nodes: every earlier occurrence of the matched text "
                         "with another continuation (two versions of a file) verified in one round (default off)")
     g.add_argument("--device-rounds", choices=["auto", "on", "off"], default="auto",
-                   help="n-gram chains drafted and verified round after round on the device, up to --decode-steps "
-                        "rounds in one dispatch, for batches of decoding requests (not with trees, hybrid models "
-                        "or --kv-dtype bf16p); auto: on a GPU, where a dispatch costs several tokens' time "
-                        "(default %(default)s)")
+                   help="n-gram drafts (chains or trees) drafted and verified round after round on the device, up "
+                        "to --decode-steps rounds in one dispatch, for batches of decoding requests (not with the "
+                        "MTP head or --kv-dtype bf16p); auto: on a GPU, where a dispatch costs several tokens' "
+                        "time (default %(default)s)")
     g = p.add_argument_group("prefix cache")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not keep computed prefixes for reuse (every prompt is prefilled in full)")

@@ -414,3 +414,51 @@ def test_device_rounds_only_where_they_can_run(llama):
     eng.runner.warm(shapes.spec(1, eng.runner.table_width(1), 4, 7, False), run=True)
     eng.runner.warm(("spec", 1, eng.runner.table_width(1), 4, 7, False), run=True)     # (an older record's form)
     assert eng.runner.kv is kv
+
+
+def copier(model, strength=0.02):
+    """The tiny hybrid with its layers' outputs scaled down and its head tied to the embeddings:
+    greedy output runs one token several times, then moves on where the layers' part (the recurrent
+    state's too) tips it, so n-gram drafts both hold and fail."""
+    scaled = lambda k: "down" in k or k in ("lin_out", "wo")  # noqa: E731
+    layers = [{k: v * strength if scaled(k) else v for k, v in p.items()} for p in model.params["layers"]]
+    return dataclasses.replace(model, params={**model.params, "layers": layers, "lm_head": model.params["embed"]})
+
+
+@pytest.mark.extended          # (~40 s a family)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_hybrid_device_rounds_change_nothing(models, family):
+    """Device-side rounds on hybrids, whose recurrent state cannot drop a rejected token (each round
+    feeds the last round's tokens again: steps.spec_steps): chains, trees and auto's switches
+    between rounds and plain steps; greedy, seeded, a stop token, a length limit, then the
+    conversations continued from the prefix cache: every output is plain decoding's, and drafts
+    both hold and fail. (By mutation: keeping the state after the last node, feeding every known
+    token again, or counting every emitted token as in the state each changes outputs.)"""
+    model = copier(models(family))
+    rng = np.random.default_rng(0)
+    ps = [list(map(int, rng.integers(10, 49000, n))) for n in (20, 35, 50, 12)]
+
+    def run(mode, stop=None, **kw):
+        eng = Engine(model, max_num_seqs=4, max_model_len=512, speculative=mode, device_rounds=True, **kw)
+        params = [dict(max_tokens=64, temperature=0), dict(max_tokens=64, temperature=0),
+                  dict(max_tokens=64, temperature=0.9, seed=3), dict(max_tokens=13, temperature=0)]
+        if stop is not None:
+            params[1]["stop_token_ids"] = [stop]
+        first = eng.generate([Request(p, SamplingParams(ignore_eos=True, **kw_)) for p, kw_ in zip(ps, params)])
+        again = eng.generate([Request(p + r.token_ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                              for p, r in zip(ps[:2], first[:2])])
+        assert eng.bm.num_free == eng.bm.num_blocks
+        assert sorted(eng.scheduler.free_slots) == list(range(eng.scheduler.max_num_seqs))
+        return [r.token_ids for r in first + again], eng, again
+
+    stop = run("off")[0][1][40]
+    plain, _, _ = run("off", stop)
+    assert len(plain[1]) < 64 and len(plain[3]) == 13
+    for mode, kw in (("ngram", {}), ("ngram", dict(ngram_tree_nodes=8)), ("auto", {})):
+        got, eng, again = run(mode, stop, **kw)
+        assert got == plain, (mode, kw)
+        if mode == "ngram":
+            st = eng.spec.stats["tree" if kw else "ngram"]
+            assert st.rounds > 10 and 0 < st.accepted < st.drafted
+            assert any(k[0] == "spec" for k in eng.runner.shapes.counts)
+            assert all(r.cached_tokens > 0 for r in again)

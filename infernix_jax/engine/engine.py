@@ -129,11 +129,14 @@ class Engine:
         self.spec_depth = c.num_speculative_tokens or (15 if on_gpu else 7)
         self.spec = None if c.speculative == "off" else Speculator(c.speculative, self.spec_depth, c.ngram_tree_nodes,
                                                                    mtp=mtp)
-        # device-side rounds (spec_steps) for batches of decoding rows: attention-only models (a hybrid's
-        # state would have to roll back inside the loop) and KV formats that take any write
+        # device-side rounds (spec_steps) for batches of decoding rows: KV formats that take any write,
+        # n-gram drafts (the MTP head drafts in host rounds). A hybrid's rows enter them with the
+        # tokens of their last round still to feed (steps.spec_steps).
         rounds_here = c.device_rounds if c.device_rounds is not None else on_gpu
-        if self.spec is not None and rounds_here and steps > 1 and not hybrid and kv_dtype != "bf16p":
+        if self.spec is not None and rounds_here and steps > 1 and not mtp and kv_dtype != "bf16p":
             self.spec.loop = self.runner.loop = self.spec.loop_settings(steps)
+            if hybrid and self.spec.loop is not None:
+                self.scheduler.loop_pending = self.spec.loop.depth + 1
         if mtp:          # every step drafts with the head; the scheduler keeps slots ahead for its chain
             self.runner.mtp_depth = self.scheduler.lookahead = min(c.num_speculative_tokens or MTP_DEPTH,
                                                                    self.spec_depth)
@@ -309,6 +312,8 @@ class Engine:
         # (before the cache's device work: blocks the rounds take may evict cached ones, which the
         # cache copies to host memory in apply(), before anything overwrites them)
         rounds = self._rounds(plan, k)
+        if k > 1 and not rounds and any(n > 1 for _, n in plan):
+            k = 1          # (a hybrid's row feeding its last round's tokens again, without rounds: a mixed step)
         if self.cache is not None:
             self.cache.apply(self.runner)
         t = time.perf_counter()
@@ -325,21 +330,26 @@ class Engine:
         """Device-side speculation rounds for a dispatch of k > 1 plain decode steps (0: run those):
         spec/policy.py decides; each row then needs slots for every token the rounds may write."""
         seqs = [s for s, _ in plan]
-        if k == 1 or not self._loop_ready(seqs) or not self.spec.use_loop(len(plan)):
+        if k == 1 or not self._loop_ready(seqs) or any(n != s.num_pending for s, n in plan) \
+                or not self.spec.use_loop(len(plan)):
             return 0
         return self.spec.loop.rounds if self.scheduler.grow_ahead(plan, self._span) else 0
 
     def _span(self, seq: Sequence) -> int:
         """The slots a dispatch of rounds may write for seq: every round's whole draft, but no more
-        than its output can still take (writes past its blocks are dropped)."""
+        than its output can still take (writes past its blocks are dropped); from its first token
+        without K/V (a hybrid's pending ones are fed again)."""
         loop = self.spec.loop
-        return min(loop.span(), seq.tokens_left(self.max_context) + 1 + loop.tree_extra)
+        return min(loop.span(), seq.tokens_left(self.max_context) + 1 + loop.tree_extra) + seq.num_pending - 1
 
     def _loop_ok(self, seqs) -> bool:
         """Whether these rows can run device-side rounds: a multi-step dispatch (scheduler), none
         with penalties (their token histories would change along a draft)."""
         return (self.spec is not None and self.spec.loop is not None and bool(seqs)
-                and self.scheduler.multi_step_ok(seqs) and not any(s.params.penalized for s in seqs))
+                and self.scheduler.multi_step_ok(seqs, self.scheduler.loop_pending)
+                and not any(s.params.penalized for s in seqs)
+                # (a hybrid's row feeds its last depth + 1 tokens each round: steps.spec_steps)
+                and (not self.hybrid or all(len(s) > self.spec.loop.depth for s in seqs)))
 
     def _loop_ready(self, seqs) -> bool:
         """_loop_ok, and for auto on a warmed engine (the server's) the rounds' shape compiled: auto
@@ -413,16 +423,17 @@ class Engine:
                     continue
             # tokens it may still emit: where the device stopped a hybrid's state updates (runner._ends)
             rem = seq.tokens_left(self.max_context)
-            taken = 0
+            taken, known = 0, len(seq)
             for j in range(len(out.ids)):
-                if k > 1:
-                    seq.num_computed += 1
+                if k > 1:      # (hybrids' rounds: their tokens past out.fed are not in the state: fed again)
+                    seq.num_computed = known + (j if out.fed is None else min(j, out.fed))
                 # Ending here drops the rest of the dispatch: KV slots are simply overwritten, but a
                 # hybrid's recurrent state has absorbed the dropped tokens (no snapshot of it then)
                 # unless the device saw the end too (a stop token or the length limit) and froze it.
                 # (A verify row's state holds its known tokens only: never dirty.)
                 device_end = (int(out.ids[j]) in seq.stop_ids and len(seq.stop_ids) <= STOP_WIDTH) or j + 1 >= rem
-                seq.state_dirty = k > 1 and j < len(out.ids) - 1 and not device_end
+                seq.state_dirty = (k > 1 and j < len(out.ids) - 1 and not device_end) if out.fed is None \
+                    else out.fed > j
                 taken += 1
                 if self._accept(seq, out, j):
                     # the loop guard injected </think>: a hybrid's state cannot be rewound, so the

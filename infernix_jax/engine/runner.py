@@ -29,11 +29,13 @@ class StepOutput:
     A verify row (one with a draft): the k = accepted + 1 tokens to emit, and the accepted nodes
     (path, in order)."""
 
-    def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=(), mtp=None, rounds=()):
+    def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=(), mtp=None, rounds=(),
+                 fed=None):
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
         self.accepted, self.path = accepted, path
         self.mtp = mtp          # the MTP head's drafts after the last emitted token (spec/mtp.py), or None
         self.rounds = rounds    # spec_steps: (drafted, accepted) of each round the row drafted in
+        self.fed = fed          # hybrids' spec_steps: the emitted tokens in the state (the rest are pending)
 
 
 log = logging.getLogger("infernix.engine")
@@ -492,21 +494,34 @@ class Runner:
             caps[i] = len(s.block_ids) * self.block_size
             hist[i, :len(s)] = s.all_ids
         sampling, st = self._sampling(seqs, B)
+        state = self._loop_state(seqs, B)
         key = shapes.spec(B, M, rounds, lp.depth, want_top, lp.nodes)
         self.shapes.seen(key)
         self.compiled.add(key)
         out = self._device("spec", tokens, positions, bt, valid, st, sampling, hist, caps, num_rounds=rounds,
                            depth=lp.depth, route=self.route, want_top=want_top, guard=self._guard(seqs, B),
                            multi_rows=np.arange(B, dtype=np.int32) if self._row_layout else None,
-                           min_n=lp.min_n, max_n=lp.max_n, tree_nodes=lp.nodes, **self._ends(seqs, B))
+                           min_n=lp.min_n, max_n=lp.max_n, tree_nodes=lp.nodes, **self._ends(seqs, B), **state)
         *out, emitted, drafted = jax.device_get(out)        # each [R, B, K] (top: [R, B, K, TOP]); [R, B]
         res = []
         for i in range(len(seqs)):
             n = emitted[:, i]
+            last = n[np.flatnonzero(n)[-1]] if n.any() else 0       # (a hybrid's tokens still to feed)
             res.append(StepOutput(*(np.concatenate([a[r, i, :n[r]] for r in range(rounds)]) for a in out),
                                   rounds=tuple((int(drafted[r, i]), int(n[r]) - 1) for r in range(rounds)
-                                               if drafted[r, i] > 0 and n[r] > 0)))
+                                               if drafted[r, i] > 0 and n[r] > 0),
+                                  fed=int(n.sum() - last) if state else None))
         return res
+
+    def _loop_state(self, seqs: list[Sequence], B: int) -> dict:
+        """Hybrids' spec_steps arguments: each row's state slot and its known tokens not in the state
+        yet (padding rows: the dropped slot, one token)."""
+        if not self.hybrid:
+            return {}
+        slots, pending = np.full((B,), self.state_slots, np.int32), np.ones((B,), np.int32)
+        for i, s in enumerate(seqs):
+            slots[i], pending[i] = s.state_slot, s.num_pending
+        return {"state_slots": slots, "pending": pending}
 
     def _history_width(self, M: int) -> int:
         """spec_steps' history width at block tables [B, M]: the rows' slots and one more round's
@@ -553,7 +568,7 @@ class Runner:
                             zeros_b), \
                 dict(num_rounds=R, depth=D, route=self.route, want_top=want_top, guard=self._guard([], B),
                      multi_rows=np.arange(B, dtype=np.int32) if self._row_layout else None,
-                     min_n=lp.min_n, max_n=lp.max_n, tree_nodes=nodes, **self._ends([], B))
+                     min_n=lp.min_n, max_n=lp.max_n, tree_nodes=nodes, **self._ends([], B), **self._loop_state([], B))
         if key[0] == "decode":
             _, B, M, k, want_top, pen = key
             zeros_b = np.zeros((B,), np.int32)

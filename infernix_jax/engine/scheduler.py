@@ -52,6 +52,7 @@ class Scheduler:
         self.chunked = chunked_prefill
         self.decode_steps = decode_steps
         self.lookahead = 0                    # slots kept ahead of a running sequence when free (the MTP head's chain)
+        self.loop_pending = 1                 # known tokens a row may bring into a multi-step dispatch (hybrids' rounds)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -189,10 +190,12 @@ class Scheduler:
             if self.bm.can_grow(seq, want):
                 self.bm.grow(seq, want)
 
-    def multi_step_ok(self, seqs) -> bool:
-        """Whether these rows may run several decode steps in one dispatch: all decoding, no grammar
-        and no draft among them, and nothing waiting that could be admitted meanwhile."""
-        return not self.waiting and all(s.decoding and s.constraint is None and not s.draft for s in seqs)
+    def multi_step_ok(self, seqs, pending: int = 1) -> bool:
+        """Whether these rows may run several decode steps in one dispatch: all decoding (pending > 1:
+        with at most that many known tokens to feed, as a hybrid's device-side rounds take them), no
+        grammar and no draft among them, and nothing waiting that could be admitted meanwhile."""
+        return not self.waiting and all(s.out_ids and 1 <= s.num_pending <= pending and s.constraint is None
+                                        and not s.draft for s in seqs)
 
     def grow_ahead(self, plan, tokens) -> bool:
         """Blocks for `tokens` more slots of every row of the plan (an int, or seq -> int), if the
@@ -254,7 +257,7 @@ class Scheduler:
             plan.append((seq, n))
             budget -= n
         steps = 1
-        if self.decode_steps > 1 and plan and self.multi_step_ok([s for s, _ in plan]):
+        if self.decode_steps > 1 and plan and self.multi_step_ok([s for s, _ in plan], self.loop_pending):
             steps = self.decode_steps if self.grow_ahead(plan, self.decode_steps) else 1
         if self.lookahead:
             self._grow_lookahead(plan, steps)

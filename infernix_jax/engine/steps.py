@@ -16,6 +16,7 @@ from ..models.llama import KVCache, logits_from_hidden
 from ..models.kv_pool import PagedKV, move_slots
 from ..models.paged import forward_paged
 from ..models.qwen3_5.mtp import mtp_chain, mtp_context
+from ..models.qwen3_5 import StateRows
 from ..route import REFERENCE, Route, use
 from .sampler import TOP_LOGPROBS, Penalties, SamplingArrays, ThinkGuard, sample
 from .spec.mtp import MtpRows, step_drafts
@@ -141,8 +142,9 @@ def decode_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block
 def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_tables, valid, steps,
                sampling: SamplingArrays, hist, caps, num_rounds: int, depth: int, route: Route = REFERENCE,
                want_top: bool = False, guard: ThinkGuard | None = None, stop_ids=None, remaining=None,
-               multi_rows=None, min_n: int = 2, max_n: int = 8, tree_nodes: int = 0):
-    """num_rounds rounds of n-gram speculation in one dispatch (attention-only models): each round
+               multi_rows=None, min_n: int = 2, max_n: int = 8, tree_nodes: int = 0, state_slots=None,
+               pending=None):
+    """num_rounds rounds of n-gram speculation in one dispatch: each round
     drafts a chain of `depth` tokens on the device (ngram.propose_device over each row's history),
     or with tree_nodes > 0 a tree of that many nodes up to `depth` deep (ngram.propose_tree_device),
     verifies it beside the row's last token in one ragged forward and keeps the longest prefix (the
@@ -154,6 +156,14 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
     (prompt and output, padded; L >= its length + num_rounds * (depth + 1)); caps [B] the row's KV
     slots (writes past them are dropped); stop_ids, remaining: where a row ends (decode_steps).
     multi_rows [B] (the reference attention's layout: every row feeds several tokens) or None.
+
+    Hybrids (Gated DeltaNet layers; state_slots [B] each row's state slot, pending [B] its known
+    tokens not in the state yet, 1 .. depth + 1): a recurrent state cannot drop a rejected token, so
+    as in the host's verify rows (runner._spec_rows) a round feeds the row's pending known tokens
+    before the draft, keeps the state after the last known one, and the tokens the round emits are
+    the next round's pending ones (fed again, at their positions: a tree's path needs no move).
+    Every round verifies then (a plain decode could not feed them). After the dispatch a row's
+    tokens of its last round are still pending (the host feeds them: runner._spec_decode).
     Returns per round [R, B, K] ids and logprobs (and top ids / logprobs; K = 1 + depth, or 1 +
     tree_nodes), then the tokens each row emitted per round [R, B] (0 once it ended) and the depth
     of the draft it verified [R, B]."""
@@ -162,6 +172,10 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
     B, M = block_tables.shape
     L = hist.shape[1]
     ar = jnp.arange(K, dtype=jnp.int32)
+    hybrid = state_slots is not None
+    P = depth + 1 if hybrid else 1          # known tokens a row feeds each round (the last one, the root, at P - 1)
+    K2 = P + K - 1                          # a row's queries: its known tokens, then the draft's nodes
+    back = jnp.arange(1 - P, 1, dtype=jnp.int32)                  # [P] the known tokens' offsets from pos
     rep = jax.tree.map(lambda a: jnp.repeat(a, K, axis=0), sampling)
 
     def slot_of(at, alive):
@@ -172,20 +186,40 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         keep = alive[:, None] & (at2 < caps[:, None])
         return jnp.where(keep, blk * bs + at2 % bs, dropped).reshape(at.shape)
 
-    def verify(kv, tok, pos, st, draft, guard, alive):
-        """One verify forward of each row's last token and its draft's nodes, in consecutive slots:
-        draft = (tok, par, dep [B, K - 1] as verify.DraftArrays and depths, anc: the ancestor bits of
-        a tree, None for a chain: no masks, and every accepted node already sits at its position)."""
-        dtok, dpar, ddep, danc = draft
-        dz = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), ddep], axis=1)            # each query's depth
-        toks = jnp.concatenate([tok[:, None], jnp.maximum(dtok, 0)], axis=1)          # [B, K]
-        slots = slot_of(pos[:, None] + ar[None], alive)
+    def verify(kv, tok, pos, st, draft, guard, alive, pend):
+        """One verify forward of each row's known tokens (its last one; hybrids: pending ones) and its
+        draft's nodes after them, in consecutive slots: draft = (tok, par, dep [B, K - 1] as
+        verify.DraftArrays and depths, anc: the ancestor bits of a tree, None for a chain: no masks,
+        and every accepted node already sits at its position; known [B, P]: the row's last P tokens)."""
+        dtok, dpar, ddep, danc, known = draft
+        kpos = pos[:, None] + back[None]                                              # [B, P]
+        fed = back[None] > -pend[:, None]          # the known tokens fed (the others' K/V are in place)
+        toks = jnp.concatenate([jnp.where(fed, known, 0), jnp.maximum(dtok, 0)], axis=1)          # [B, K2]
+        qpos = jnp.concatenate([jnp.maximum(kpos, 0), pos[:, None] + ddep], axis=1)
+        slots = jnp.concatenate([jnp.where(fed, slot_of(kpos, alive), dropped),
+                                 slot_of(pos[:, None] + 1 + ar[None, :-1], alive)], axis=1)
         tree = None if danc is None else \
-            (pos + 1, jnp.concatenate([jnp.zeros((B, 1), jnp.int32), danc], axis=1).reshape(-1))
-        # (every row's K queries see K keys at least: padding rows too, whose outputs nobody reads)
-        h, kv = forward_paged(params, cfg, toks.reshape(-1), (pos[:, None] + dz).reshape(-1), slots.reshape(-1), kv,
-                              block_tables, pos + K, jnp.arange(B + 1, dtype=jnp.int32) * K, route, None, multi_rows,
+            (pos + 1, jnp.concatenate([jnp.zeros((B, P), jnp.int32), danc], axis=1).reshape(-1))
+        rows = None
+        if hybrid:                 # the linear layers' verify layout (qwen3_5/paged.py StateRows)
+            t = jnp.arange(K2, dtype=jnp.int32)[None]
+            runs = jnp.concatenate([fed, dtok >= 0], axis=1)
+            par = jnp.where(t < P, jnp.where(t - 1 >= P - pend[:, None], t - 1, -1),
+                            jnp.concatenate([jnp.zeros((B, P), jnp.int32),
+                                             jnp.where(dpar >= 0, P + dpar, P - 1)], axis=1))
+            S = kv.conv[0].shape[0] if kv.conv else 0
+            none = jnp.full((B,), B * K2, jnp.int32)
+            rows = StateRows(none, jnp.full((B,), S, jnp.int32), jnp.zeros((B,), bool),
+                             spec_tok=jnp.where(runs, jnp.arange(B, dtype=jnp.int32)[:, None] * K2 + t, B * K2),
+                             spec_par=par, spec_commit=jnp.full((B,), P - 1, jnp.int32),
+                             spec_slot=jnp.where(alive, state_slots, S), spec_fresh=jnp.zeros((B,), bool))
+        # (every row's K2 queries see K2 keys at least: padding rows too, whose outputs nobody reads; a
+        # real row is at least P tokens long: the engine's _loop_ok)
+        h, kv = forward_paged(params, cfg, toks.reshape(-1), qpos.reshape(-1), slots.reshape(-1), kv,
+                              block_tables, jnp.maximum(pos + K, K2), jnp.arange(B + 1, dtype=jnp.int32) * K2, route, rows, multi_rows,
                               tree)
+        h = h.reshape(B, K2, -1)[:, P - 1:].reshape(B * K, -1)                       # the root's and the nodes'
+        dz = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), ddep], axis=1)            # each query's depth
         nodes = DraftArrays(dtok, dpar)
         g = None
         if guard is not None:      # the guard's state at each node, along the draft
@@ -197,6 +231,8 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         if danc is None:           # (a chain's accepted path is its first nodes, in emission order)
             return kv, out, held
         out = tuple(jnp.take_along_axis(o, emitted.reshape(B, K, *(1,) * (o.ndim - 2)), axis=1) for o in out)
+        if hybrid:                 # (the path is fed again next round, at its positions)
+            return kv, out, held
         # the accepted path's K/V to the slots of its positions (a node at index j sits at pos + 1 + j)
         j = jnp.arange(K - 1, dtype=jnp.int32)[None]
         move = (path >= 0) & (path != j)
@@ -205,7 +241,7 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         kv = _when(jnp.any(move), lambda kv: move_slots(kv, src.reshape(-1), dst.reshape(-1)), kv)
         return kv, out, held
 
-    def plain(kv, tok, pos, st, draft, guard, alive):
+    def plain(kv, tok, pos, st, draft, guard, alive, pend):
         h, kv = forward_paged(params, cfg, tok, pos, slot_of(pos, alive), kv, block_tables,
                               jnp.where(valid, pos + 1, 1), None, route)
         out = sample(logits_from_hidden(params, cfg, h), st, sampling, want_top, guard=guard)
@@ -218,7 +254,7 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
     if want_top:
         out_zeros += (jnp.zeros((B, K, TOP_LOGPROBS), jnp.int32), jnp.zeros((B, K, TOP_LOGPROBS), jnp.float32))
 
-    def one(kv, tok, pos, st, hist, hlen, emitted, guard, alive):
+    def one(kv, tok, pos, st, hist, hlen, emitted, guard, alive, pend):
         if tree_nodes:
             dtok, dpar, ddep, danc = propose_tree_device(hist, hlen, depth, tree_nodes, min_n, max_n)
             # a node whose slot lies past the row's blocks would have no K/V: never accepted
@@ -229,9 +265,14 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
             dtok = jnp.where(alive[:, None], dtok, -1)
             dpar, ddep = (jnp.broadcast_to(ar[:-1] + d, dtok.shape) for d in (-1, 1))
             danc = None
-        draft = (dtok, dpar, ddep, danc)
-        drafting = jnp.any(dtok >= 0)
-        kv, out, held = _either(drafting, verify, plain, kv, out_zeros, tok, pos, st, draft, guard, alive)
+        b = jnp.arange(B)
+        known = tok[:, None] if P == 1 else hist[b[:, None], jnp.clip(pos[:, None] + back[None], 0, L - 1)]
+        draft = (dtok, dpar, ddep, danc, known)
+        if hybrid:                 # (pending tokens to feed: every round verifies)
+            kv, out, held = verify(kv, tok, pos, st, draft, guard, alive, pend)
+        else:
+            kv, out, held = _either(jnp.any(dtok >= 0), verify, plain, kv, out_zeros, tok, pos, st, draft, guard,
+                                    alive, pend)
         ids = out[0]
         n = held + 1                                                     # tokens this round emits
         if stop_ids is not None:   # a row ends at its first stop token or its last allowed token
@@ -242,7 +283,6 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         else:
             alive_next = alive
         n = jnp.where(alive, n, 0).astype(jnp.int32)
-        b = jnp.arange(B)
         put = jnp.where(ar[None] < n[:, None], hlen[:, None] + ar[None], L)                 # (L: dropped)
         hist = hist.at[b[:, None], put].set(ids, mode="drop")
         if guard is not None:
@@ -253,7 +293,9 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         tok = jnp.where(n > 0, ids[b, jnp.maximum(n - 1, 0)], tok)
         deep = jnp.max(jnp.where(dtok >= 0, ddep, 0), axis=1)                 # the draft's depth
         drafted = jnp.where(alive, deep, 0).astype(jnp.int32)
-        return (kv, tok, pos + n, st + n, hist, hlen + n, emitted + n, guard, alive_next), (*out, n, drafted)
+        pend = jnp.where(n > 0, n, pend)         # (hybrids: this round's tokens are the next one's to feed)
+        return ((kv, tok, pos + n, st + n, hist, hlen + n, emitted + n, guard, alive_next, pend),
+                (*out, n, drafted))
 
     # the rounds' outputs, filled in as they run; a dispatch whose rows have all ended stops early
     R = num_rounds
@@ -265,7 +307,8 @@ def spec_steps(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, block_t
         return r + 1, carry, tuple(o.at[r].set(x) for o, x in zip(outs, out))
 
     with use(route):               # (a row's history is its tokens up to its position)
-        carry = (kv, tokens, positions, steps, hist, positions + 1, jnp.zeros((B,), jnp.int32), guard, valid)
+        pend = jnp.ones((B,), jnp.int32) if pending is None else pending
+        carry = (kv, tokens, positions, steps, hist, positions + 1, jnp.zeros((B,), jnp.int32), guard, valid, pend)
         _, carry, outs = jax.lax.while_loop(lambda c: (c[0] < num_rounds) & jnp.any(c[1][-1]), body,
                                             (jnp.int32(0), carry, outs0))
     return replicated(outs), carry[0]
@@ -301,7 +344,6 @@ def prefill_logprobs(params, cfg: ModelConfig, kv: PagedKV, tokens, block_tables
     of the positions before start already in the pool (start = 0: a fresh pool; hybrids: state slot
     0, carried from the previous piece). block_tables [1, M] -> (log-probabilities [T, V] f32 of
     the next token, the pool): a text scored in pieces of a few rows runs the kernels decode runs."""
-    from ..models.qwen3_5 import StateRows
     T, bs = tokens.shape[0], kv.block_size
     start = jnp.asarray(start, jnp.int32)
     pos = start + jnp.arange(T, dtype=jnp.int32)
