@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY); default: env "
                         "INFERNIX_API_KEY, else none")
-    g.add_argument("--max-http-clients", type=int, default=64, help="requests served at once (beyond: 503)")
+    g.add_argument("--max-http-clients", type=int, default=64, help="open HTTP connections at once (an API request on a connection past them: 503, and the "
+                        "connection is closed; default %(default)s)")
     g.add_argument("--max-pending-requests", type=int, default=256,
                    help="generations queued or running, 1-1024 (beyond: 429 with Retry-After)")
     g.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (beyond: 413)")

@@ -8,7 +8,7 @@ import secrets
 
 from infernix_jax.engine import SamplingParams
 
-from .errors import APIError
+from .errors import IMAGE_NOTE, APIError, vision_disabled
 from .openai_chat import constraint
 from .parsing import ToolCall
 from .prompt import budget, render
@@ -66,6 +66,8 @@ def _tool_result_text(b: dict, where: str) -> str:
         for blk in _blocks(c, where):
             if blk["type"] == "text":
                 parts.append(_text(blk, where))
+            elif blk["type"] == "image":         # (Claude Code reading an image file)
+                parts.append(IMAGE_NOTE)
             else:
                 raise invalid(f"{where}: tool_result content of type {blk['type']!r} is not supported by this "
                               "text-only model")
@@ -106,8 +108,10 @@ def parse_messages(body: dict) -> list[dict]:
                 if not isinstance(b.get("tool_use_id"), str):
                     raise invalid(f"{w}: a tool_result needs a string 'tool_use_id'")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": _tool_result_text(b, w)})
-            elif b["type"] in ("image", "document"):
-                raise invalid(f"{w}: {b['type']} blocks are not supported: this model reads text only")
+            elif b["type"] == "image":
+                raise vision_disabled(w)
+            elif b["type"] == "document":
+                raise invalid(f"{w}: document blocks are not supported: this model reads text only")
             else:
                 raise invalid(f"{w}: unknown content block type {b['type']!r} in a user message")
         if texts:
@@ -156,9 +160,10 @@ def parse_tools(body: dict) -> list[dict] | None:
         kind = t.get("type", "custom")
         if kind not in (None, "custom"):
             raise invalid(f"tools[{i}]: server tools of type {kind!r} are not available on this server")
-        schema = t.get("input_schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise invalid(f"tools[{i}].input_schema: must be an object")
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):      # (Anthropic's API answers 400 too: a custom tool needs one)
+            raise invalid(f"tools[{i}].input_schema: " + ("required: a custom tool needs a JSON schema object"
+                                                          if schema is None else "must be an object"))
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                      "parameters": schema}})
     return out or None
@@ -174,7 +179,7 @@ def _tool_choice(body: dict, tools):
         return None, None
     if tc["type"] == "tool":
         names = {t["function"]["name"] for t in tools or ()}
-        if tc.get("name") not in names:
+        if not isinstance(tc.get("name"), str) or tc["name"] not in names:
             raise invalid(f"tool_choice.name: {tc.get('name')!r} is not one of the request's tools")
         return tools, tc["name"]
     return tools, ("any" if tc["type"] == "any" else None)
@@ -185,18 +190,10 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], SamplingPara
         raise invalid("the request body must be a JSON object")
     messages = parse_messages(body)
     tools, forced = _tool_choice(body, parse_tools(body))
-    thinking = body.get("thinking")
-    kwargs = {}
-    if thinking is not None:
-        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise invalid("thinking: must be {\"type\": \"enabled\" | \"disabled\" | \"adaptive\"}")
-        kwargs["enable_thinking"] = thinking["type"] != "disabled"
-        if thinking["type"] == "enabled":
-            get_int(thinking, "budget_tokens", None, 1)
-    display = thinking.get("display", "summarized") if isinstance(thinking, dict) else "summarized"
-    if display not in ("summarized", "omitted", "full"):
-        raise _field("thinking.display", "must be 'summarized', 'omitted' or 'full'")
+    kwargs, display = _thinking(body, messages)
     out_cfg = body.get("output_config") if isinstance(body.get("output_config"), dict) else {}
+    if out_cfg.get("effort") is not None and out_cfg["effort"] not in EFFORTS:
+        raise _field("output_config.effort", f"must be one of {', '.join(EFFORTS)}")
     try:
         grammar = constraint(engine, out_cfg.get("format") or body.get("output_format"), "output_config.format",
                              tools, None if forced is None else ("required" if forced == "any" else forced), kwargs)
@@ -222,6 +219,30 @@ def build(body, engine, tolerant: bool = False) -> tuple[list[int], SamplingPara
     return ids, params, features_for(engine.tokenizer, text, tools, tolerant, parallel), meta
 
 
+THINKING = ("enabled", "disabled", "adaptive", "between_tools")
+DISPLAYS = ("summarized", "omitted", "full", "updates")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")     # (output_config.effort: taken, no effect on this server)
+
+
+def _thinking(body: dict, messages: list[dict]) -> tuple[dict, str]:
+    """The chat template's thinking switch and the thinking blocks' display from `thinking`:
+    between_tools thinks only when the turn continues after tool results; "updates" shows the
+    thinking as "summarized" does (here: the whole text)."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return {}, "summarized"
+    if not isinstance(thinking, dict) or thinking.get("type") not in THINKING:
+        raise invalid("thinking: must be {\"type\": " + " | ".join(f'\"{t}\"' for t in THINKING) + "}")
+    kind = thinking["type"]
+    if kind == "enabled":
+        _get(get_int, thinking, "budget_tokens", None, 1)
+    on = kind != "disabled" and (kind != "between_tools" or (bool(messages) and messages[-1]["role"] == "tool"))
+    display = thinking.get("display", "summarized")
+    if display not in DISPLAYS:
+        raise _field("thinking.display", "must be " + ", ".join(f"'{d}'" for d in DISPLAYS))
+    return {"enable_thinking": on}, display
+
+
 def _get(fn, body, name, *a):
     try:
         return fn(body, name, *a)
@@ -238,9 +259,7 @@ def count_tokens(body, engine) -> dict:
         raise invalid("the request body must be a JSON object")
     messages = parse_messages(body)
     tools = parse_tools(body)
-    thinking = body.get("thinking")
-    kwargs = {"enable_thinking": thinking.get("type") != "disabled"} if isinstance(thinking, dict) else {}
-    ids, _ = render(engine, messages, tools, kwargs)
+    ids, _ = render(engine, messages, tools, _thinking(body, messages)[0])
     return {"input_tokens": len(ids)}
 
 

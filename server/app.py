@@ -13,6 +13,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 import time
 
 from sanic import Sanic
@@ -25,7 +26,7 @@ from .errors import APIError, protocol_of
 from .metrics import Metrics, RequestStats
 from .streaming import PieceRenderer, ReaderPaused, stream
 from .turn import Turn
-from .validate import MAX_DEPTH, check_depth
+from .validate import MAX_DEPTH, check_depth, mend_surrogates
 
 log = logging.getLogger("infernix.server")
 
@@ -33,7 +34,7 @@ log = logging.getLogger("infernix.server")
 @dataclasses.dataclass
 class ServerLimits:
     api_key: str | None = None
-    max_http_clients: int = 64            # requests being served at once (beyond: 503)
+    max_http_clients: int = 64            # open connections (an API request on one beyond: 503, then closed)
     max_pending_requests: int = 256       # generations submitted and not finished (beyond: 429)
     max_body_mb: float = 64.0
     keep_alive_s: float = 360.0
@@ -60,6 +61,7 @@ class ServerLimits:
 
 
 OPEN_PATHS = {"/health", "/metrics"}       # no API key needed
+KEEP_ALIVE_GRACE_S = 10.0
 
 
 def create_app(engine, name: str = "infernix", warmup: str | bool = "basic", limits: ServerLimits | None = None,
@@ -71,13 +73,25 @@ def create_app(engine, name: str = "infernix", warmup: str | bool = "basic", lim
     app = Sanic(name)
     app.config.REQUEST_MAX_SIZE = int(limits.max_body_mb * 1024 * 1024)
     app.config.RESPONSE_TIMEOUT = 3600
-    app.config.KEEP_ALIVE_TIMEOUT = limits.keep_alive_s
+    # an idle connection is closed a little after the time advertised (Keep-Alive: timeout=...), so a
+    # client that trusts the header never sends on a socket the server is closing
+    app.config.KEEP_ALIVE_TIMEOUT = limits.keep_alive_s + KEEP_ALIVE_GRACE_S
     app.ctx.engine = engine
     app.ctx.limits = limits
     app.ctx.admin = admin_info         # infernix-serve's options and config file (/configure)
     app.ctx.tolerant = limits.tolerant_tool_calls
     app.ctx.metrics = Metrics(engine, limits.log_requests)
     app.ctx.in_flight = 0          # HTTP requests being served
+    app.ctx.connections = 0        # HTTP connections open (--max-http-clients is their ceiling)
+
+    @app.signal("http.lifecycle.begin")
+    async def opened(conn_info):
+        app.ctx.connections += 1
+        conn_info.ctx.over = app.ctx.connections > limits.max_http_clients
+
+    @app.signal("http.lifecycle.complete")
+    async def closed(conn_info):
+        app.ctx.connections -= 1
     app.ctx.pending = 0            # generation turns submitted and not finished
 
     @app.on_request
@@ -220,11 +234,16 @@ def served(endpoint: str):
         async def run(request, *a, **kw):
             app = request.app
             st = request.ctx.stats = RequestStats(endpoint)
-            if app.ctx.in_flight >= app.ctx.limits.max_http_clients:
+            limit = app.ctx.limits.max_http_clients
+            if getattr(request.conn_info.ctx, "over", False) and app.ctx.connections > limit:
+                # (a connection opened past the ceiling, while it is still passed: 503, and the
+                # connection is closed; one opened within it is always served)
                 app.ctx.metrics.finish(st, 503, request.headers.get("user-agent", ""), "too many clients")
-                raise APIError(f"the server is serving {app.ctx.in_flight} requests, its limit "
+                request.stream.keep_alive = False          # (sanic's http1: "connection: close", then closed)
+                raise APIError(f"the server has {app.ctx.connections} connections open, its limit is {limit} "
                                "(--max-http-clients); retry shortly", 503, "overloaded_error",
                                headers={"Retry-After": "1"})
+            request.conn_info.ctx.over = False
             app.ctx.in_flight += 1
             status, error = 200, ""
             try:
@@ -322,6 +341,9 @@ async def _collect_all(turns: list[Turn]):
     return results
 
 
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def _load_json(request):
     """The request body as JSON, no deeper than MAX_DEPTH (APIError 400 otherwise)."""
     try:
@@ -331,7 +353,8 @@ def _load_json(request):
     except RecursionError:
         raise APIError(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
     check_depth(body, "the request body")
-    return body
+    # (an escaped lone surrogate: the only way one gets into a str from bytes; raw bytes of one are not UTF-8)
+    return mend_surrogates(body) if _ESCAPED_SURROGATE.search(request.body or b"") else body
 
 
 def _json_body(request):

@@ -35,5 +35,16 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, "invalid_request_error", param)
 
 
+# an image in a tool's result (a file the agent read, a screenshot it took) while the model reads text
+# only: the prompt says so, and the turn goes on
+IMAGE_NOTE = "[image omitted: this model reads text only]"
+
+
+def vision_disabled(where: str, param: str | None = None) -> APIError:
+    """An image outside a tool result while vision is off (every model today): 400, code vision_disabled."""
+    return APIError(f"{where}: images are not supported: this model reads text only (vision is disabled)", 400,
+                    "invalid_request_error", param, "vision_disabled")
+
+
 def protocol_of(path: str) -> str:
     return "anthropic" if path.startswith("/v1/messages") else "openai"

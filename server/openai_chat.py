@@ -10,7 +10,7 @@ import secrets
 
 from infernix_jax.engine import SamplingParams
 
-from .errors import APIError, invalid
+from .errors import IMAGE_NOTE, APIError, invalid, vision_disabled
 from .parsing import ToolCall, tool_format_of
 from .prompt import budget, render
 from .structured import response_format_grammar, tool_call_grammar, validated
@@ -25,7 +25,8 @@ UNSUPPORTED_IF_SET = {
 }
 
 
-def _text_of(content, where: str) -> str:
+def _text_of(content, where: str, tool: bool = False) -> str:
+    """A message's text; images: IMAGE_NOTE in a tool message's content, else vision_disabled."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -39,6 +40,10 @@ def _text_of(content, where: str) -> str:
                 if not isinstance(part.get("text"), str):
                     raise invalid(f"{where}: a text part needs a string 'text'", "messages")
                 out.append(part["text"])
+            elif part["type"] in ("image_url", "input_image", "image"):
+                if not tool:
+                    raise vision_disabled(where, "messages")
+                out.append(IMAGE_NOTE)
             else:
                 raise invalid(f"{where}: content parts of type {part['type']!r} are not supported by this "
                               f"text-only model", "messages")
@@ -77,9 +82,10 @@ def parse_messages(messages) -> list[dict]:
         if not isinstance(m, dict):
             raise invalid(f"{where} must be an object", "messages")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise invalid(f"{where}: unknown role {role!r}; expected one of {sorted(ROLES)}", "messages")
-        msg = {"role": "system" if role == "developer" else role, "content": _text_of(m.get("content"), where)}
+        msg = {"role": "system" if role == "developer" else role, "content": _text_of(m.get("content"), where,
+                                                                                   role == "tool")}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         for k in ("name", "tool_call_id", "reasoning_content", "reasoning"):
@@ -115,7 +121,7 @@ def tool_choice(body, tools):
         return tools, "required"
     if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict):
         name = tc["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools or ()}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools or ()}:
             raise invalid(f"tool_choice names {name!r}, which is not one of the request's tools", "tool_choice")
         return tools, name
     raise invalid("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "

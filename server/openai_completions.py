@@ -60,17 +60,19 @@ def build(body, engine):
     if best_of is not None and best_of != n:
         raise invalid("'best_of' other than n is not supported", "best_of")
     lp = get_int(body, "logprobs", None, 0, 5)
+    echo = get_bool(body, "echo", False)
     chat_body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
     jobs = []
     for ids in prompts:
         params = sampling(chat_body, budget(engine, len(ids), requested_max_tokens(body) or 16))
-        params = dataclasses.replace(params, logprobs=lp is not None, top_logprobs=lp or 0)
+        params = dataclasses.replace(params, logprobs=lp is not None, top_logprobs=lp or 0,
+                                     prompt_logprobs=lp if echo and lp is not None else None)
         jobs += [(ids, p) for p in seeds_for(params, n)]
     opts = get_dict(body, "stream_options") or {}
     meta = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time()),
             "model": body.get("model") if isinstance(body.get("model"), str) else engine.model_name,
             "stream": get_bool(body, "stream", False), "include_usage": bool(opts.get("include_usage")),
-            "echo": get_bool(body, "echo", False), "logprobs": lp is not None, "prompts": prompts}
+            "echo": echo, "logprobs": lp is not None, "prompts": prompts}
     return jobs, meta
 
 
@@ -78,13 +80,15 @@ FEATURES = Features()        # raw completions: no reasoning or tool parsing
 
 
 def logprobs_block(tokenizer, entries, offset: int = 0) -> dict:
+    """entries: (token id, logprob, alternatives); logprob None for a prompt's first token (null in
+    OpenAI's shape, as are its alternatives)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = offset
     for tid, lp, alts in entries:
         t = tokenizer.decode([tid], skip_special_tokens=False)
         tokens.append(t)
         lps.append(lp)
-        tops.append({tokenizer.decode([a], skip_special_tokens=False): alp for a, alp in alts})
+        tops.append(None if lp is None else {tokenizer.decode([a], skip_special_tokens=False): alp for a, alp in alts})
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -93,9 +97,13 @@ def logprobs_block(tokenizer, entries, offset: int = 0) -> dict:
 def body_of(meta, results: list[tuple[str, str, list, list, Done]], tokenizer, n: int) -> dict:
     choices = []
     for i, (_, text, _, lps, done) in enumerate(results):
-        echo = tokenizer.decode(meta["prompts"][i // n], skip_special_tokens=False) if meta["echo"] else ""
+        prompt = meta["prompts"][i // n]
+        echo = tokenizer.decode(prompt, skip_special_tokens=False) if meta["echo"] else ""
+        if echo and meta["logprobs"]:      # (lps: the prompt's from its second token on, then the output's)
+            lps = [(prompt[0], None, ()), *lps]
         choices.append({"index": i, "text": echo + text, "finish_reason": done.finish_reason,
-                        "logprobs": logprobs_block(tokenizer, lps, len(echo)) if meta["logprobs"] else None})
+                        "logprobs": logprobs_block(tokenizer, lps, 0 if echo and meta["logprobs"] else len(echo))
+                        if meta["logprobs"] else None})
     prompt_tokens = sum(len(p) for p in meta["prompts"])
     return {"id": meta["id"], "object": "text_completion", "created": meta["created"], "model": meta["model"],
             "choices": choices, "usage": usage(prompt_tokens, sum(r[4].completion_tokens for r in results),
@@ -116,7 +124,7 @@ class StreamRenderer:
 
     def start(self) -> list[str]:
         out = []
-        if self.meta["echo"]:
+        if self.meta["echo"] and not self.meta["logprobs"]:     # (with logprobs: sent with the prompt's)
             for i in range(len(self.done)):
                 echo = self.tokenizer.decode(self.meta["prompts"][i // self.n], skip_special_tokens=False)
                 self.offset[i] = len(echo)
@@ -132,6 +140,12 @@ class StreamRenderer:
         for kind, v in pieces:
             if kind == "text":
                 out.append(self._chunk(i, v))
+            elif kind == "prompt_logprobs":              # echo with logprobs: the prompt, with its logprobs
+                prompt = self.meta["prompts"][i // self.n]
+                block = logprobs_block(self.tokenizer, [(prompt[0], None, ()), *v])
+                echo = self.tokenizer.decode(prompt, skip_special_tokens=False)
+                self.offset[i] = sum(len(t) for t in block["tokens"])
+                out.append(self._chunk(i, echo, logprobs=block))
             elif kind == "logprobs" and self.meta["logprobs"]:
                 block = logprobs_block(self.tokenizer, v, self.offset[i])
                 self.offset[i] += sum(len(t) for t in block["tokens"])

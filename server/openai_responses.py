@@ -13,7 +13,7 @@ import json
 import secrets
 import time
 
-from .errors import invalid
+from .errors import IMAGE_NOTE, invalid, vision_disabled
 from .openai_chat import constraint, sampling, tool_choice
 from .parsing import ToolCall
 from .prompt import budget, render
@@ -25,7 +25,8 @@ HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpr
                 "image_generation", "local_shell", "mcp", "custom", "apply_patch", "shell"}
 
 
-def _text_parts(content, where: str) -> str:
+def _text_parts(content, where: str, tool: bool = False) -> str:
+    """Parts' text; images: IMAGE_NOTE in a function_call_output, else vision_disabled."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -39,7 +40,11 @@ def _text_parts(content, where: str) -> str:
             if not isinstance(part.get("text"), str):
                 raise invalid(f"{where}.content[{j}] needs a string 'text'", "input")
             out.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
+        elif kind == "input_image":
+            if not tool:
+                raise vision_disabled(f"{where}.content[{j}]", "input")
+            out.append(IMAGE_NOTE)
+        elif kind in ("input_file", "input_audio"):
             raise invalid(f"{where}.content[{j}]: {kind} is not supported: this model reads text only", "input")
         elif kind == "refusal":
             out.append(part.get("refusal") or "")
@@ -68,7 +73,7 @@ def parse_input(body) -> list[dict]:
             raise invalid(f"{where} must be an object", "input")
         kind = it.get("type", "message")
         if kind == "message":
-            role = ROLES.get(it.get("role"))
+            role = ROLES.get(it.get("role")) if isinstance(it.get("role"), str) else None
             if role is None:
                 raise invalid(f"{where}.role must be user, assistant, system or developer", "input")
             msg = {"role": role, "content": _text_parts(it.get("content"), where)}
@@ -101,7 +106,7 @@ def parse_input(body) -> list[dict]:
                 raise invalid(f"{where}: a function_call_output needs a string 'call_id'", "input")
             out = it.get("output", "")
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
-                         "content": out if isinstance(out, str) else _text_parts(out, where)})
+                         "content": out if isinstance(out, str) else _text_parts(out, where, tool=True)})
         elif kind == "item_reference":
             raise invalid(f"{where}: item references need stored responses, and this server stores none; "
                           "send the items themselves", "input")
@@ -144,10 +149,12 @@ def parse_tools(body) -> tuple[list[dict] | None, dict]:
         if kind == "function":
             add(t, i)
         elif kind == "namespace":
+            if not isinstance(t.get("tools") or [], list):
+                raise invalid(f"tools[{i}].tools must be a list", "tools")
             for sub in t.get("tools") or ():
                 if isinstance(sub, dict) and sub.get("type", "function") == "function":
                     add(sub, i, t.get("name"))
-        elif kind in HOSTED_TOOLS:
+        elif isinstance(kind, str) and kind in HOSTED_TOOLS:
             continue          # hosted tools are the provider's to run; this server offers none
         else:
             raise invalid(f"tools[{i}]: unknown tool type {kind!r}", "tools")
@@ -218,7 +225,9 @@ def reasoning_item(meta, item_id: str, text: str) -> dict:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    """status: completed, in_progress (no content yet), or incomplete (cut by max_output_tokens)."""
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" \
+        else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -235,9 +244,14 @@ def body_of(meta, reasoning: str, text: str, calls: list[ToolCall], done: Done) 
     if reasoning:
         output.append(reasoning_item(meta, "rs_" + secrets.token_hex(12), reasoning))
     if text or not calls:
-        output.append(message_item("msg_" + secrets.token_hex(12), text))
+        output.append(message_item("msg_" + secrets.token_hex(12), text, _item_status(done)))
     output += [call_item(meta, "fc_" + secrets.token_hex(12), c) for c in calls]
     return response_object(meta, output, done)
+
+
+def _item_status(done: Done | None) -> str:
+    """A message item cut by max_output_tokens is incomplete, as its response is."""
+    return "incomplete" if done is not None and done.finish_reason == "length" else "completed"
 
 
 class StreamRenderer:
@@ -264,7 +278,7 @@ class StreamRenderer:
     def heartbeat() -> str:
         return ": keep-alive\n\n"
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         if self.open is None:
             return []
         idx, text, out = len(self.output), "".join(self.buf), []
@@ -278,7 +292,7 @@ class StreamRenderer:
             out.append(self._ev("response.reasoning_text.done", item_id=self.item_id, output_index=idx,
                                 content_index=0, text=text))
         else:
-            item = message_item(self.item_id, text)
+            item = message_item(self.item_id, text, status)
             out.append(self._ev("response.output_text.done", item_id=self.item_id, output_index=idx, content_index=0,
                                 text=text, logprobs=[]))
             out.append(self._ev("response.content_part.done", item_id=self.item_id, output_index=idx,
@@ -339,7 +353,7 @@ class StreamRenderer:
         elif kind == "done":
             if v.finish_reason != "error" and not self.output and self.open is None:
                 out += self._open("message")      # an empty reply is still one (empty) message
-            out += self._close()
+            out += self._close(_item_status(v))
             r = response_object(self.meta, self.output, v)
             name = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 r["status"], "response.failed")

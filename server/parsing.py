@@ -193,8 +193,7 @@ class ToolCallParser:
             name, body = fm.group(1), fm.group(2)
             if not partial and "</function>" not in raw[fm.start():fm.end()]:
                 return None
-            schema = self.schemas.get(name, {})
-            props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+            props = param_schemas(self.schemas.get(name, {}))
             args = {}
             for pm in self._PARAM.finditer(body):
                 if not partial and not pm.group(0).endswith("</parameter>"):
@@ -213,6 +212,21 @@ def _strip_one_newline(v: str) -> str:
     if v.endswith("\n"):
         v = v[:-1]
     return v
+
+
+def param_schemas(schema) -> dict:
+    """A tool's parameters {name: schema}: its properties, and those of each branch of a root
+    anyOf/oneOf (a name in several branches with different schemas: their anyOf)."""
+    if not isinstance(schema, dict):
+        return {}
+    found: dict[str, list] = {}
+    branches = [b for k in ("anyOf", "oneOf") for b in (schema.get(k) if isinstance(schema.get(k), list) else ())]
+    for part in (schema, *branches):
+        props = part.get("properties") if isinstance(part, dict) else None
+        for name, sub in (props.items() if isinstance(props, dict) else ()):
+            if sub not in found.setdefault(name, []):
+                found[name].append(sub)
+    return {name: subs[0] if len(subs) == 1 else {"anyOf": subs} for name, subs in found.items()}
 
 
 def typed_value(v: str, schema) -> object:

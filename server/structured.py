@@ -12,6 +12,7 @@ import json
 from infernix_jax.engine.constraints import GrammarError, check_grammar, grammar_from_json_schema, json_rule
 
 from .errors import invalid
+from .parsing import param_schemas
 
 ANY_OBJECT = {"type": "object"}
 
@@ -61,11 +62,7 @@ def _xml_function(rule: str, fn: dict) -> list[str]:
     optional one at most once; every value typed by its schema (what parsing.typed_value reads back).
     A root anyOf/oneOf offers the parameters of all its branches, none required."""
     schema = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-    branches = [b for k in ("anyOf", "oneOf") for b in schema.get(k) or () if isinstance(b, dict)]
-    props, required = dict(schema.get("properties") or {}), list(schema.get("required") or [])
-    for b in branches:
-        for name, sub in (b.get("properties") or {}).items():
-            props.setdefault(name, sub)
+    props, required = param_schemas(schema), list(schema.get("required") or [])
     order = [p for p in required if p in props] + [p for p in props if p not in required]
     parts, rules = [], []
     for j, name in enumerate(order):

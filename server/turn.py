@@ -5,6 +5,7 @@ tool-call parsers, become a stream of pieces that every protocol renders in its 
   ("text", str)        answer text
   ("tool_call", ToolCall)
   ("logprobs", tuple)  the engine's per-token logprob entries for the text just sent
+  ("prompt_logprobs", tuple)  the prompt's (SamplingParams.prompt_logprobs), before the first token's
   ("done", Done)       always last (also after an engine error, with finish_reason "error")
 """
 from __future__ import annotations
@@ -100,7 +101,8 @@ class Turn:
                 self.stats.on_tokens()
             if self.cut:
                 return []                    # output after the one call, already on its way
-            out = self._parse(ev.text)
+            out = [("prompt_logprobs", ev.prompt_logprobs)] if ev.prompt_logprobs is not None else []
+            out += self._parse(ev.text)
             if ev.logprobs:
                 out.append(("logprobs", ev.logprobs))
             return out
@@ -116,7 +118,8 @@ class Turn:
         return out
 
     async def collect(self) -> tuple[str, str, list, list, Done]:
-        """Run to the end: reasoning text, answer text, tool calls, logprob entries, Done."""
+        """Run to the end: reasoning text, answer text, tool calls, logprob entries (the prompt's
+        first, when asked for), Done."""
         reasoning, text, calls, lps = [], [], [], []
         while True:
             for kind, v in await self.next() or ():
@@ -126,7 +129,7 @@ class Turn:
                     text.append(v)
                 elif kind == "tool_call":
                     calls.append(v)
-                elif kind == "logprobs":
+                elif kind in ("logprobs", "prompt_logprobs"):
                     lps.extend(v)
                 elif kind == "done":
                     return "".join(reasoning), "".join(text), calls, lps, v

@@ -1,6 +1,7 @@
 """Small typed readers for JSON bodies: each raises a 400 naming the offending field."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .errors import invalid
@@ -23,6 +24,31 @@ def check_depth(obj, what: str, param: str | None = None) -> None:
         if d > MAX_DEPTH:
             raise invalid(f"{what} is nested deeper than {MAX_DEPTH} levels", param)
         stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def mend_surrogates(obj):
+    """obj with every lone UTF-16 surrogate in its strings (keys too) replaced by U+FFFD: JSON allows
+    an unpaired "\\ud800" (a client cutting text between the halves of an emoji sends one), which no
+    tokenizer can encode. Iterative: the body's depth is already bounded (check_depth)."""
+    fix = lambda s: _SURROGATE.sub("\ufffd", s) if isinstance(s, str) else s  # noqa: E731
+    root = [obj]
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        items = list(o.items()) if isinstance(o, dict) else list(enumerate(o))
+        if isinstance(o, dict) and any(isinstance(k, str) and _SURROGATE.search(k) for k in o):
+            o.clear()
+            o.update((fix(k), v) for k, v in items)
+            items = list(o.items())
+        for k, v in items:
+            if isinstance(v, str):
+                o[k] = fix(v)
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
+    return root[0]
 
 
 def get_number(body: dict, name: str, default, lo: float, hi: float):

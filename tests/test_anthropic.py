@@ -116,6 +116,8 @@ def test_claude_code_fields_and_tool_history(claude, server_url):
     ({"max_tokens": 8, "messages": ASK, "stop_sequences": "x"}, "stop_sequences"),
     ({"max_tokens": 8, "messages": ASK, "thinking": {"type": "sometimes"}}, "thinking"),
     ({"max_tokens": 8, "messages": ASK, "tools": [{"name": "t", "input_schema": 3}]}, "input_schema"),
+    ({"max_tokens": 8, "messages": ASK, "tools": [{"name": "t"}]}, "input_schema"),          # (Anthropic: 400 too)
+    ({"max_tokens": 8, "messages": ASK, "output_config": {"effort": "extreme"}}, "output_config.effort"),
     ({"max_tokens": 8, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
     ({"max_tokens": 8, "messages": ASK, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
     ({"max_tokens": 8, "messages": ASK, "thinking": {"type": "enabled", "display": "loud"}}, "thinking.display"),

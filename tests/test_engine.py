@@ -112,6 +112,28 @@ def test_logprobs_and_top_logprobs(tiny):
         assert lp <= 0 and alts[0][1] >= alts[1][1] >= alts[2][1]
 
 
+def test_prompt_logprobs_match_a_full_forward(tiny):
+    """prompt_logprobs: each prompt token's logprob after the tokens before it (and the best
+    alternatives there), equal to a whole-sequence forward's, whether the prompt is prefilled in one
+    piece or in chunks, and a prompt whose blocks sit in the prefix cache is computed all the same."""
+    import jax.numpy as jnp
+    from infernix_jax.engine.steps import full_logprobs
+    from infernix_jax.models import init_cache
+    prompt = random_prompts(np.random.default_rng(5), 1, 70, 71)[0]
+    want = np.asarray(full_logprobs(tiny.params, tiny.cfg, jnp.asarray([prompt], jnp.int32),
+                                    init_cache(tiny.cfg, 1, 80, tiny.dtype)))[0]          # [T, V]
+    for chunk in (256, 16):
+        eng = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=chunk)
+        for again in (False, True):          # (the second run: the prompt's blocks are cached)
+            r = eng.generate([Request(prompt, greedy(2, prompt_logprobs=3))])[0]
+            assert r.cached_tokens == 0 and [e[0] for e in r.prompt_logprobs] == prompt[1:]
+            got = np.asarray([e[1] for e in r.prompt_logprobs])
+            assert np.allclose(got, want[np.arange(69), prompt[1:]], atol=2e-4), (chunk, again)
+            for p, (_, _, alts) in enumerate(r.prompt_logprobs):
+                assert [a for a, _ in alts] == list(np.argsort(-want[p], kind="stable")[:3])
+    assert eng.generate([Request(prompt, greedy(2))])[0].cached_tokens > 0    # (others still hit)
+
+
 def test_min_p_one_is_greedy(tiny):
     eng = Engine(tiny, max_num_seqs=2)
     g = eng.generate([Request([9, 8, 7], greedy(8, ignore_eos=True))])[0]
@@ -365,5 +387,18 @@ def test_loop_guard_detects_repeats_and_closes_thinking(smollm_engine):
                 break                                                      # the engine stops there too
         assert seq.thinking is False and seq.out_ids[-1] == 901 and injected.count(True) == 1
         assert len(injected) >= 1 + 8 * 4                                  # not before four repeats
+        # a run-on of hyphen-joined words: not periodic, closed all the same
+        words = "so-then-we-should-look-at-what-the-user-asked-and-maybe-check-each-file-once-more-before-we-" \
+                "answer-because-the-result-might-change-if-anything-else-was-edited-meanwhile-or-later-on"
+        assert eng.runs_on(words) and not eng.runs_on(words + " and then we stop.")
+        assert not eng.runs_on("id 123e4567-e89b-12d3-a456-426614174000, a well-known state-of-the-art x-y-z")
+        seq = Seq()
+        ids = [900] + e.tokenizer.encode(words, add_special_tokens=False)
+        for t in ids:
+            seq.out_ids.append(t)
+            if e._track_thinking(seq, t):
+                break
+        assert seq.out_ids[-1] == 901 and not seq.thinking and len(seq.out_ids) < len(ids) + 1
+        assert not eng.repeats(ids[1:])
     finally:
         e.think_ids = saved

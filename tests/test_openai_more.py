@@ -1,5 +1,6 @@
 """Completions and Responses over loopback with the official openai SDK and httpx."""
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -21,8 +22,16 @@ def test_completions_plain_stream_echo_logprobs(client):
     e = client.completions.create(model="m", prompt="The capital of France is", max_tokens=4, temperature=0,
                                   echo=True, logprobs=2)
     assert e.choices[0].text.startswith("The capital of France is")
-    lp = e.choices[0].logprobs
-    assert len(lp.tokens) == e.usage.completion_tokens and all(len(t) == 2 for t in lp.top_logprobs)
+    lp = e.choices[0].logprobs               # the prompt's tokens too: the first without a logprob (null)
+    P = e.usage.prompt_tokens
+    assert len(lp.tokens) == P + e.usage.completion_tokens and "".join(lp.tokens) == e.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    chunks = list(client.completions.create(model="m", prompt="The capital of France is", max_tokens=4,
+                                            temperature=0, echo=True, logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == e.choices[0].text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and np.allclose(streamed[1:], lp.token_logprobs[1:], atol=1e-4)
 
 
 def test_completions_many_prompts_and_token_ids(client):

@@ -93,6 +93,36 @@ def test_every_protocol_renders_the_calls(scripted):
         assert msg.content[0].thinking == ""                                                  # its text does not
 
 
+def test_root_one_of_parameters_are_typed(scripted):
+    """A tool whose parameters are a root oneOf: each argument is typed by the branch that names it,
+    in both formats ("123" for a string stays a string, 2 for an integer is one), and a forced or
+    required call of it is taken (its grammar compiles)."""
+    url, calls_text = scripted
+    params = {"oneOf": [{"type": "object", "properties": {"ref": {"type": "string"}}, "required": ["ref"]},
+                        {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]}]}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": params}}]
+    xml = "<tool_call>\n<function=pick>\n<parameter=ref>\n123\n</parameter>\n</function>\n</tool_call>"
+    js = '<tool_call>\n{"name": "pick", "arguments": {"ref": "123"}}\n</tool_call>'
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    text = xml if "<function=" in calls_text else js
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "pick"}}):
+        r = client.chat.completions.create(model="m", messages=ask({"text": text}), tools=tools, tool_choice=choice)
+        assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"ref": "123"}]
+
+
+def test_responses_cut_by_max_output_tokens_mark_the_message_incomplete(scripted):
+    url, _ = scripted
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    for finish, want in (("length", "incomplete"), ("stop", "completed")):
+        script = {"text": "Half a sent", "cuts": [4], "finish": finish}
+        r = client.responses.create(model="m", input=ask(script))
+        assert r.status == want and r.output[-1].status == want and r.output_text == "Half a sent"
+        events = list(client.responses.create(model="m", input=ask(script), stream=True))
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [i.status for i in done] == [want] and done[0].content[0].text == "Half a sent"
+        assert events[-1].type == f"response.{want}" and events[-1].response.output[-1].status == want
+
+
 def test_parallel_tool_calls_false_ends_at_the_first_call(scripted):
     """parallel_tool_calls false (Anthropic: disable_parallel_tool_use): one call, finish reason
     tool_calls, and generation stops there (the script's later characters are never produced)."""
@@ -146,9 +176,11 @@ def test_tolerant_tool_calls_keep_a_cut_call(qwen3_tokenizer_dir, tmp_path_facto
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
         assert calls == [EXPECTED[0], ("get_weather", {"city": "Ro"})]
         assert r.choices[0].message.content == "Checking."
-        # only max_tokens / the context / a cancellation make a cut call worth keeping
+        r = client.chat.completions.create(model="m", messages=ask({"text": cut, "finish": "abort"}), tools=TOOLS)
+        assert len(r.choices[0].message.tool_calls) == 2          # (a cancellation: kept too)
+        # only max_tokens / the context / a cancellation make a cut call worth keeping: not a stop token or string
         r = client.chat.completions.create(model="m", messages=ask({"text": cut, "finish": "stop"}), tools=TOOLS)
-        assert len(r.choices[0].message.tool_calls) == 1
+        assert len(r.choices[0].message.tool_calls) == 1 and r.choices[0].message.content.endswith('"Ro')
 
 
 def test_heartbeats_during_a_long_prefill(scripted):
@@ -217,8 +249,10 @@ def test_paused_reader_is_cancelled(strict):
 
 
 def test_max_http_clients_answers_503(strict):
-    """With --max-http-clients 1 and one stream open, a second request gets 503 with Retry-After in the
-    protocol's error shape; once the stream ends, requests are served again."""
+    """--max-http-clients is the ceiling of open connections. With 1 and one stream open, a request on
+    a second connection gets 503 with Retry-After in the protocol's error shape, and that connection
+    is closed; once the stream ends, requests are served again. An idle keep-alive connection counts
+    too, until its client closes it."""
     import threading
 
     import httpx
@@ -235,19 +269,25 @@ def test_max_http_clients_answers_503(strict):
     assert opened.wait(30)
     r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": ask({"text": "hi"})}, timeout=30)
     assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "overloaded_error"
+    assert r.headers["connection"] == "close"
     r = httpx.post(url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": ask({"text": "hi"})},
                    timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
     assert httpx.get(url + "/health", timeout=30).status_code == 200           # not an API request
     t.join(60)
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": ask({"text": "hi"})}, timeout=30)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
+    chat = {"model": "m", "messages": ask({"text": "hi"})}
+    with httpx.Client(timeout=30) as idle:
+        r = idle.post(url + "/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
+        assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=30).status_code == 503
+        assert idle.post(url + "/v1/chat/completions", json=chat).status_code == 200      # (its own: served)
+    assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
 
 
 def test_end_in_thinking_reaches_the_engine(scripted, strict):
     """refuse (the default) asks the engine to keep a thinking reply from ending or opening a tool call
     inside <think> (the sampler's ThinkGuard, tested in test_engine); allow does not."""
     for url, expect in ((scripted[0], "True"), (strict, "False")):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        r = client.chat.completions.create(model="m", messages=ask({"text": "", "echo_think_guard": True}))
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:     # (strict: 1 connection)
+            r = client.chat.completions.create(model="m", messages=ask({"text": "", "echo_think_guard": True}))
         assert r.choices[0].message.content == f"think_guard={expect}"

@@ -61,6 +61,21 @@ def test_forced_tool_named_and_required(client):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
 
 
+def test_forced_tool_with_a_root_one_of(client):
+    """Parameters that are a root oneOf (either a city or coordinates): the forced call is
+    constrained to one of the branches (oneOf read as anyOf: llguidance cannot check "exactly one")."""
+    where = {"type": "function", "function": {"name": "locate", "parameters": {"oneOf": [
+        {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+         "required": ["lat", "lon"], "additionalProperties": False}]}}}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Where is Paris?"}],
+                                       temperature=0, max_tokens=60, tools=[where], tool_choice="required")
+    args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    assert (set(args) == {"city"} and isinstance(args["city"], str)) or \
+        (set(args) == {"lat", "lon"} and all(isinstance(v, (int, float)) for v in args.values()))
+
+
 def test_responses_text_format_and_forced_function(client):
     r = client.responses.create(model="m", input=ASK[0]["content"], temperature=0, max_output_tokens=60,
                                 text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}})

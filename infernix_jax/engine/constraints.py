@@ -14,8 +14,9 @@ import llguidance
 import llguidance.numpy as lln
 import numpy as np
 
-# compact JSON: flexible whitespace lets small models emit whitespace forever
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# compact JSON: flexible whitespace lets small models emit whitespace forever. oneOf is read as anyOf
+# (llguidance cannot enforce "exactly one"; tool schemas use oneOf for alternatives that rarely overlap)
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": True}
 
 
 class GrammarError(ValueError):

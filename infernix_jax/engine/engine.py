@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import queue
+import re
 import threading
 import time
 import traceback
@@ -60,6 +61,17 @@ def repeats(ids: list[int], min_period: int = 8, max_period: int = 128, times: i
         if np.array_equal(tail[L:], tail[:-L]):
             return True
     return False
+
+
+# a thinking run-on: RUN_ON_WORDS or more words joined by hyphens, with no space between them, at the end
+# of the text (a model that lost its way writes "then-check-the-file-and-then-..." without end; not
+# periodic, so `repeats` misses it; real text rarely chains more than a handful: UUIDs have 5 parts)
+RUN_ON_WORDS = 24
+_RUN_ON = re.compile(r"(?:[^\s-]+-){%d,}[^\s-]*$" % (RUN_ON_WORDS - 1))
+
+
+def runs_on(text: str) -> bool:
+    return _RUN_ON.search(text) is not None
 
 
 class Engine:
@@ -416,6 +428,9 @@ class Engine:
             if seq.status is not Status.RUNNING:
                 continue
             draft, seq.draft, seq.mtp_next = seq.draft, None, None
+            top = seq.params.prompt_logprobs or 0
+            seq.prompt_lps += [(int(t), lp, tuple((int(a), float(b)) for a, b in zip(ids[:top], lps[:top])))
+                               for t, lp, ids, lps in out.prompt_lps]
             if k == 1:
                 seq.num_computed += n - (len(draft) if draft else 0)
                 if seq.num_pending > 0:          # a prefill chunk that did not reach the end
@@ -481,7 +496,10 @@ class Engine:
                                                            out.top_lps[j][:p.top_logprobs]))
             lp = (t, float(out.lps[j]), alts)
             seq.out_logprobs.append(lp)
+        prompt = tuple(seq.prompt_lps) if p.prompt_logprobs is not None and len(seq.out_ids) == 1 else None
         if t in seq.stop_ids:
+            if prompt is not None:      # (the prompt's logprobs go out even when the reply is empty)
+                self._emit(seq, Event("delta", prompt_logprobs=prompt))
             self._finish(seq, "stop")
             return False
         if seq.constraint is not None:
@@ -490,8 +508,9 @@ class Engine:
         text = seq.tracker.push(t)
         if injected:
             text += seq.tracker.push(self.think_ids[1])
-        if text or lp:
-            self._emit(seq, Event("delta", text=text, token_ids=(t,), logprobs=(lp,) if lp else ()))
+        if text or lp or prompt is not None:
+            self._emit(seq, Event("delta", text=text, token_ids=(t,), logprobs=(lp,) if lp else (),
+                                  prompt_logprobs=prompt))
         if seq.tracker.stopped or (seq.constraint is not None and seq.constraint.done):
             self._finish(seq, "stop")
         elif len(seq.out_ids) >= p.max_tokens or len(seq) >= self.max_context:
@@ -508,12 +527,20 @@ class Engine:
         elif t == end:
             seq.thinking = False
         elif seq.thinking and seq.params.loop_guard and (len(seq.out_ids) - seq.think_from) % 16 == 0 \
-                and repeats(seq.out_ids[seq.think_from:]) and len(seq.out_ids) < seq.params.max_tokens:
-            log.warning("request %s: thinking repeats itself; closing the thinking block", seq.id)
+                and len(seq.out_ids) < seq.params.max_tokens and (repeats(seq.out_ids[seq.think_from:])
+                                                                  or self._runs_on(seq)):
+            log.warning("request %s: thinking repeats itself or runs on; closing the thinking block", seq.id)
             seq.out_ids.append(end)
             seq.thinking = False
             return True
         return False
+
+    def _runs_on(self, seq: Sequence) -> bool:
+        """The open thinking block ends in a run-on of hyphen-joined words (runs_on)."""
+        if self.tokenizer is None:
+            return False
+        tail = seq.out_ids[max(seq.think_from, len(seq.out_ids) - 4 * RUN_ON_WORDS):]
+        return runs_on(self.tokenizer.decode(tail, skip_special_tokens=True))
 
     def _emit(self, seq: Sequence, ev: Event) -> None:
         if ev.kind == "delta":
@@ -541,7 +568,8 @@ class Engine:
             self.step()
         return [Result(text="".join(s.text_parts), token_ids=s.out_ids, finish_reason=s.finish_reason or "abort",
                        prompt_tokens=len(s.prompt_ids), completion_tokens=len(s.out_ids),
-                       logprobs=s.out_logprobs if s.params.logprobs else None, cached_tokens=s.num_cached)
+                       logprobs=s.out_logprobs if s.params.logprobs else None, cached_tokens=s.num_cached,
+                       prompt_logprobs=s.prompt_lps if s.params.prompt_logprobs is not None else None)
                 for s in seqs]
 
     # ---- device thread (server) ----------------------------------------------------------------

@@ -28,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False        # return each sampled token's logprob
     top_logprobs: int = 0         # and this many alternatives (<= 20)
+    prompt_logprobs: int | None = None   # the prompt's tokens' logprobs too (after the first), with this many
+                                         # alternatives: every prompt token is computed (no prefix-cache hit)
     grammar: str | None = None    # an llguidance grammar the output must follow (engine/constraints.py)
     think_open: bool = False      # the prompt ends inside a <think> block
     think_guard: bool = False     # while thinking, neither end the reply nor open a tool call
@@ -55,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -66,6 +70,8 @@ class Event:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple = ()          # per token: (id, logprob, ((alt id, logprob), ...))
+    prompt_logprobs: tuple | None = None   # the first delta of a request asking for them: the prompt's, from its
+                                           # second token on, as logprobs entries
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -96,3 +102,4 @@ class Result:
     completion_tokens: int
     logprobs: list | None = None
     cached_tokens: int = 0          # prompt tokens taken from the prefix cache
+    prompt_logprobs: list | None = None   # SamplingParams.prompt_logprobs: from the prompt's second token on

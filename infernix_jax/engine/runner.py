@@ -30,12 +30,13 @@ class StepOutput:
     (path, in order)."""
 
     def __init__(self, ids, lps, top_ids=None, top_lps=None, accepted: int = 0, path=(), mtp=None, rounds=(),
-                 fed=None):
+                 fed=None, prompt_lps=()):
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
         self.accepted, self.path = accepted, path
         self.mtp = mtp          # the MTP head's drafts after the last emitted token (spec/mtp.py), or None
         self.rounds = rounds    # spec_steps: (drafted, accepted) of each round the row drafted in
         self.fed = fed          # hybrids' spec_steps: the emitted tokens in the state (the rest are pending)
+        self.prompt_lps = prompt_lps    # (next token, logprob, top ids, top logprobs) per prompt position scored
 
 
 log = logging.getLogger("infernix.engine")
@@ -393,12 +394,23 @@ class Runner:
             self.shapes.seen(shapes.mixed(N, B, bt.shape[1], pen, 0 if multi is None else len(multi)))
         if mtp is not None:
             kw.update(mtp=mtp, mtp_depth=self.mtp_depth)
+        scored = self._scored(plan)
+        if scored:                 # prompt logprobs: the flat index of each scored position, the token after it
+            S = steps.bucket(len(scored), minimum=16)
+            idx, nxt = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
+            idx[:len(scored)], nxt[:len(scored)] = [j for _, j, _ in scored], [t for _, _, t in scored]
+            kw["score"] = (idx, nxt)
         out = self._device("mixed", tokens, positions, slots, bt, kv_lens, cu_q, logits_idx,
                            st, sampling, route=self.route, want_top=True,
                            penalties=pen, allowed=allowed, guard=self._guard(seqs, B), rows=rows, multi_rows=multi,
                            **kw)
         out = jax.device_get(out)
-        nxt = None
+        nxt = prompt = None
+        if scored:
+            *out, s_lp, s_ids, s_lps = out
+            prompt = {}
+            for k, (i, _, t) in enumerate(scored):
+                prompt.setdefault(i, []).append((t, float(s_lp[k]), s_ids[k], s_lps[k]))
         if mtp is not None:
             *out, nxt = out
         if K == 1:
@@ -410,11 +422,27 @@ class Runner:
                 a = int(accepted[i]) if s.draft else 0
                 res.append(StepOutput(*(x[i, :a + 1] for x in out), accepted=a,
                                       path=tuple(int(j) for j in path[i, :a])))
+        for i, lps in (prompt or {}).items():
+            res[i].prompt_lps = lps
         if nxt is not None:           # the head's row of each: its last known token, or its last accepted node
             for i, (s, n) in enumerate(plan):
                 at = s.num_computed + n - (len(s.draft) if s.draft else 0) - 1 + res[i].accepted
                 res[i].mtp = usable(nxt[i], at, int(mtp.cap[i]))
         return res
+
+    @staticmethod
+    def _scored(plan) -> list[tuple[int, int, int]]:
+        """Prompt logprobs to compute this step: (row, flat index, next prompt token) for each prompt
+        position of a row asking for them (SamplingParams.prompt_logprobs) that a chunk feeds and
+        that no earlier step scored (a recompute after preemption scores nothing twice)."""
+        out, off = [], 0
+        for i, (s, n) in enumerate(plan):
+            if s.params.prompt_logprobs is not None:
+                P = len(s.prompt_ids)
+                for p in range(max(s.num_computed, len(s.prompt_lps)), min(s.num_computed + n, P - 1)):
+                    out.append((i, off + p - s.num_computed, s.prompt_ids[p + 1]))
+            off += n
+        return out
 
     def _mtp_rows(self, N: int, B: int) -> MtpRows:
         """MtpRows of padding, for _mixed to fill in (and warm to run)."""

@@ -156,7 +156,9 @@ class Scheduler:
             if not seq.fetching.done() and (plan or self.running):
                 return 0
             self.cache.take_fetched(seq)     # (waits for it when nothing else could run meanwhile)
-        hit = self.cache.lookup(seq) if self.cache is not None and not seq.block_ids else None
+        # (prompt logprobs need every prompt token computed: no hit)
+        hit = self.cache.lookup(seq) if self.cache is not None and not seq.block_ids \
+            and seq.params.prompt_logprobs is None else None
         n, skipped = self._fits(seq, plan, budget, hit), 0
         if n and hit is not None and hit.on_disk:           # read the SSD only when about to admit
             rest = self.cache.drop_disk(seq, hit)

@@ -21,6 +21,7 @@ class Sequence:
         self.prompt_ids = list(req.prompt_ids)
         self.out_ids: list[int] = []
         self.out_logprobs: list = []          # per token: (logprob, [(id, logprob)] top) when asked for
+        self.prompt_lps: list = []            # params.prompt_logprobs: (id, logprob, alternatives) from the 2nd token
         self.tracker = tracker
         self.stop_ids = stop_ids
         self.status = Status.WAITING

@@ -37,7 +37,7 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
                logits_idx, steps, sampling: SamplingArrays, route: Route = REFERENCE, want_top: bool = False,
                penalties: Penalties | None = None, allowed=None, guard: ThinkGuard | None = None, rows=None,
                multi_rows=None, drafts: DraftArrays | None = None, tree=None, mtp: MtpRows | None = None,
-               mtp_depth: int = 0):
+               mtp_depth: int = 0, score=None):
     """A ragged batch of prefill chunks, decodes and (with drafts) verify rows.
     tokens/positions/slots [N]; block_tables [B, M]; kv_lens [B]; cu_q [B + 1].
     logits_idx [B, K]: the flat indices whose next token is drawn (a row's last known token, then
@@ -49,7 +49,8 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
     those the ragged layout. drafts: spec.verify.DraftArrays [B, K - 1]; tree: None, or the
     ancestor masks (tree_lo [B], anc [N]) when a draft is not a chain.
     mtp: the MTP head's rows (spec/mtp.py; None: the engine does not draft with it), mtp_depth its
-    drafts per row.
+    drafts per row. score: None, or (idx [S] flat indices, nxt [S] the token after each): prompt
+    logprobs, the log-probability of nxt after idx and the TOP_LOGPROBS best there.
     Returns the sampled token of every row (and logprobs), and the pool; with drafts, every
     output is [B, K] in emission order (the root's draw, then one per accepted node) followed by
     accepted [B] and path [B, K - 1] (spec.verify.accept); with mtp, the head's drafts [B, mtp_depth] last."""
@@ -74,6 +75,11 @@ def mixed_step(params, cfg: ModelConfig, kv: PagedKV, tokens, positions, slots, 
             nxt, kv = step_drafts(params, cfg, kv, h, tokens, positions, slots, block_tables, kv_lens, cu_q, route,
                                   multi_rows, tree, mtp, ids, accepted, path, logits_idx, mtp_depth)
         extra = (*extra, nxt)
+    if score is not None:          # (last: prompt logprobs, [S], [S, TOP] x2)
+        idx, nxt = score
+        lp = jax.nn.log_softmax(logits_from_hidden(params, cfg, h[idx]).astype(jnp.float32), axis=-1)
+        top_lps, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+        extra = (*extra, jnp.take_along_axis(lp, nxt[:, None], axis=1)[:, 0], top_ids.astype(jnp.int32), top_lps)
     return replicated((*out, *extra)), kv
 
 
