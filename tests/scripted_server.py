@@ -4,7 +4,7 @@ emits that text in deltas cut at those offsets (or one character per delta with 
 "repeat" times over (default once); "echo_think_guard": true replies with the request's think_guard.
 
     python tests/scripted_server.py PORT TOKENIZER_DIR [--xml] [--tolerant] [--paused-reader-s S] [--max-http-clients N]
-        [--log-requests PATH] [--end-in-thinking refuse|allow]
+        [--log-requests PATH] [--end-in-thinking refuse|allow] [--keep-alive-s S]
 
 --xml marks the chat template as a Qwen3-Coder one, so tool calls are parsed in the XML format;
 --tolerant is the server's --tolerant-tool-calls."""
@@ -77,6 +77,7 @@ def main() -> None:
         return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
     limits = ServerLimits(tolerant_tool_calls="--tolerant" in sys.argv, heartbeat_s=0.3,
                           paused_reader_s=opt("--paused-reader-s", 60.0), max_http_clients=opt("--max-http-clients", 64),
+                          keep_alive_s=opt("--keep-alive-s", 360.0),
                           log_requests=opt("--log-requests", "") or None,
                           end_in_thinking=opt("--end-in-thinking", "refuse"),
                           model_names=("m", "scripted"))

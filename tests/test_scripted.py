@@ -284,6 +284,28 @@ def test_max_http_clients_answers_503(strict):
     assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
 
 
+@pytest.mark.extended           # (~15 s: waits out the grace)
+def test_idle_connections_outlive_the_advertised_keep_alive_by_10_s(qwen3_tokenizer_dir, tmp_path_factory):
+    """Keep-Alive: timeout=S is advertised; the server closes an idle connection 10 s after S, so a
+    client trusting the header never sends on a socket being closed."""
+    import http.client
+    import time
+    for url in start_server(tmp_path_factory, str(qwen3_tokenizer_dir), "--keep-alive-s", "1", cmd=(SCRIPT_SERVER,)):
+        conn = http.client.HTTPConnection(url.split("//")[1], timeout=30)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        assert r.getheader("keep-alive") == "timeout=1"
+        time.sleep(4)                                  # past the advertised 1 s: still served
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200
+        t0 = time.monotonic()
+        assert conn.sock.recv(1) == b""                # then closed, after 1 + 10 s idle
+        assert 10 <= time.monotonic() - t0 < 20
+
+
 def test_end_in_thinking_reaches_the_engine(scripted, strict):
     """refuse (the default) asks the engine to keep a thinking reply from ending or opening a tool call
     inside <think> (the sampler's ThinkGuard, tested in test_engine); allow does not."""
