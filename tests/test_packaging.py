@@ -42,8 +42,15 @@ def test_a_model_card_per_family():
 
 @pytest.mark.extended           # (~1 min: two builds in isolated environments, then two installs)
 def test_wheel_and_sdist_build_and_install(tmp_path):
-    dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(dist), str(ROOT)],
+    import shutil
+    src, dist = tmp_path / "src", tmp_path / "dist"       # (a copy: the build writes nothing into the checkout)
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+    subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(dist), str(src)],
                    check=True, capture_output=True)
     wheel, sdist = next(dist.glob("*.whl")), next(dist.glob("*.tar.gz"))
     names = zipfile.ZipFile(wheel).namelist()
