@@ -18,6 +18,7 @@ rather than op by op."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,10 @@ def tree_visible(sidx, tree_lo, anc):
     return (rel < 0) | ((bit == 1) & (rel < 32))
 
 
+SCORES_PER_TILE = 1 << 26      # the reference's scores per query tile (256 MiB of f32)
+KEY_BLOCK = 4096               # ... and its keys per step when a pass goes in tiles
+
+
 def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale=None, k_scale=None,
                  v_scale=None, fmts=None, k_esc=None, v_esc=None, tree_lo=None, anc=None):
     """Rows b of q_lens[b] queries from flat index starts[b] (their K/V by block_tables [R, M],
@@ -135,23 +140,76 @@ def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale
     B = kv_lens.shape[0]
     nKV = k_pool.shape[0]
     scale = hd ** -0.5 if scale is None else scale
-    t = jnp.arange(N)
-    idx = starts[:, None] + t[None, :]                                             # [B, N]
-    valid = t[None, :] < q_lens[:, None]
-    qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, N, nKV, nH // nKV, hd)              # [B, N, nKV, G, hd]
     K, ks, V, vs = _kv(k_pool, v_pool, block_tables, k_scale, v_scale, fmts, q.dtype, k_esc, v_esc)
     S = K.shape[1]
-    pos = (kv_lens - q_lens)[:, None] + t[None, :]                                 # [B, N]
-    s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32), ks) * scale
     sidx = jnp.arange(S)
-    visible = (sidx[None, None, :] <= pos[:, :, None]) & (sidx[None, None, :] < kv_lens[:, None, None])
-    if tree_lo is not None:
-        a = anc[jnp.clip(idx, 0, N - 1)]                                           # [B, N]
-        visible &= tree_visible(sidx[None, None, :], tree_lo[:, None, None], a[:, :, None])
-    s = jnp.where(visible[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    p = _by_key(jnp.where(jnp.isnan(p), 0.0, p), vs)                               # (NaN: padded query rows)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(V.dtype), V, preferred_element_type=jnp.float32)
-    o = o.reshape(B, N, nH, hd).astype(q.dtype)
+
+    def tile(t):
+        """Queries t [T] of every row -> their outputs [B, T, nH, hd]."""
+        idx = starts[:, None] + t[None, :]                                         # [B, T]
+        qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, -1, nKV, nH // nKV, hd)          # [B, T, nKV, G, hd]
+        pos = (kv_lens - q_lens)[:, None] + t[None, :]                             # [B, T]
+        s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32), ks) * scale
+        visible = (sidx[None, None, :] <= pos[:, :, None]) & (sidx[None, None, :] < kv_lens[:, None, None])
+        if tree_lo is not None:
+            a = anc[jnp.clip(idx, 0, N - 1)]                                       # [B, T]
+            visible &= tree_visible(sidx[None, None, :], tree_lo[:, None, None], a[:, :, None])
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        p = _by_key(jnp.where(jnp.isnan(p), 0.0, p), vs)                           # (NaN: padded query rows)
+        o = jnp.einsum("bkgts,bskd->btkgd", p.astype(V.dtype), V, preferred_element_type=jnp.float32)
+        return o.reshape(B, -1, nH, hd).astype(q.dtype)
+
+    KB = math.gcd(S, KEY_BLOCK)
+
+    def tile_in_blocks(t):
+        """tile(t), walking the keys KB at a time with an online softmax, and only as far as the
+        tile's queries see (a tile of padding: no step at all)."""
+        idx = starts[:, None] + t[None, :]                                         # [B, T]
+        qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, -1, nKV, nH // nKV, hd)          # [B, T, nKV, G, hd]
+        pos = (kv_lens - q_lens)[:, None] + t[None, :]                             # [B, T]
+        a = None if tree_lo is None else anc[jnp.clip(idx, 0, N - 1)]
+        seen = jnp.where(t[None, :] < q_lens[:, None], jnp.minimum(pos + 1, kv_lens[:, None]), 0)
+        steps = (jnp.max(seen) + KB - 1) // KB
+
+        def body(c):
+            j, m, den, acc = c
+            cut = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * KB, KB, axis=1)  # noqa: E731
+            Kj, Vj, ksj, vsj = cut(K), cut(V), cut(ks), cut(vs)
+            sj = j * KB + jnp.arange(KB)
+            s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, Kj, preferred_element_type=jnp.float32), ksj) * scale
+            visible = (sj[None, None, :] <= pos[:, :, None]) & (sj[None, None, :] < kv_lens[:, None, None])
+            if a is not None:
+                visible &= tree_visible(sj[None, None, :], tree_lo[:, None, None], a[:, :, None])
+            s = jnp.where(visible[:, None, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))                                      # [B, nKV, G, T]
+            base = jnp.where(jnp.isinf(m_new), 0.0, m_new)
+            p = jnp.exp(s - base[..., None])
+            fade = jnp.exp(m - base)
+            o = jnp.einsum("bkgts,bskd->bkgtd", _by_key(p, vsj).astype(V.dtype), Vj,
+                           preferred_element_type=jnp.float32)
+            return j + 1, m_new, den * fade + p.sum(-1), acc * fade[..., None] + o
+
+        G = nH // nKV
+        init = (jnp.int32(0), jnp.full((B, nKV, G, t.shape[0]), -jnp.inf, jnp.float32),
+                jnp.zeros((B, nKV, G, t.shape[0]), jnp.float32), jnp.zeros((B, nKV, G, t.shape[0], hd), jnp.float32))
+        _, _, den, acc = jax.lax.while_loop(lambda c: c[0] < steps, body, init)
+        o = acc / jnp.where(den > 0, den, 1.0)[..., None]                          # [B, nKV, G, T, hd]
+        return o.transpose(0, 3, 1, 2, 4).reshape(B, -1, nH, hd).astype(q.dtype)
+
+    # the scores of T queries take B x nH x T x S floats: a wide pass (a long prompt's) goes T queries
+    # at a time, so that memory stays bounded (T: a power of two dividing N, which the engine buckets),
+    # each over the keys it sees only (a prompt's pass costs its causal half, not N x S)
+    T = N
+    while T > 1 and T % 2 == 0 and B * nH * T * S > SCORES_PER_TILE:
+        T //= 2
+    t = jnp.arange(N)
+    if T == N:
+        o = tile(t)
+    else:
+        o = jax.lax.map(tile_in_blocks, t.reshape(N // T, T))                      # [N / T, B, T, nH, hd]
+        o = o.transpose(1, 0, 2, 3, 4).reshape(B, N, nH, hd)
+    idx = starts[:, None] + t[None, :]                                             # [B, N]
+    valid = t[None, :] < q_lens[:, None]
     dest = jnp.where(valid, idx, N)                                                # padding -> dropped
     return jnp.zeros_like(q).at[dest.reshape(-1)].set(o.reshape(B * N, nH, hd), mode="drop")

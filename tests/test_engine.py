@@ -402,3 +402,23 @@ def test_loop_guard_detects_repeats_and_closes_thinking(smollm_engine):
         assert not eng.repeats(ids[1:])
     finally:
         e.think_ids = saved
+
+
+@pytest.mark.extended          # (two 66K-token prefills through the reference attention)
+def test_a_prompt_pass_wider_than_65535_tokens(smollm):
+    """A 66K-token prompt whose first prefill pass is 65,600 tokens wide (past every 16-bit index and
+    65,535-wide grid dimension; the reference attention goes through it in tiles) gives the tokens
+    and logprobs of the same prompt prefilled in passes of 32K."""
+    import dataclasses
+    cfg = dataclasses.replace(smollm.cfg, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                              num_kv_heads=1, head_dim=16, max_position_embeddings=131072)
+    model = LoadedModel(name="tiny-long", path=smollm.path, cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(3)),
+                        tokenizer=smollm.tokenizer, dtype=smollm.dtype)
+    prompt = random_prompts(np.random.default_rng(9), 1, 66_000, 66_001)[0]
+    out = {}
+    for width in (65_600, 32_768):
+        eng = Engine(model, max_num_seqs=1, max_model_len=66_016, max_num_batched_tokens=width, kv_cache_gib=0.05)
+        out[width] = eng.generate([Request(prompt, greedy(4, ignore_eos=True, logprobs=True))])[0]
+    a, b = out.values()
+    assert a.token_ids == b.token_ids and a.prompt_tokens == 66_000
+    assert np.allclose([x[1] for x in a.logprobs], [x[1] for x in b.logprobs], atol=1e-3)

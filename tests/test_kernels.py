@@ -124,6 +124,26 @@ def test_ragged_paged_attention(case, dtype, interpret):
     assert not np.asarray(out[int(cu[-1]):], np.float32).any()   # padding rows stay zero
 
 
+@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
+def test_ragged_reference_in_query_tiles_matches_one_pass(case, monkeypatch):
+    """A wide pass (a long prompt's) goes a few queries at a time through the reference, each over the
+    keys it sees a block at a time (an online softmax), so its scores stay bounded: the tiles give
+    what one pass gives (draft trees too: every query's own bits)."""
+    from pallas_kernels import paged_attention as pa
+    q, k, v, bt, kv_lens, cu = ragged_inputs(case, jnp.float32, 70 + case)
+    N = q.shape[0]
+    anc = jnp.asarray(np.random.default_rng(case).integers(0, 2 ** 8, N), jnp.int32)
+    lo = jnp.maximum(kv_lens - 3, 0)
+    whole = [pa.ragged_paged_attention_reference(q, k, v, bt, kv_lens, cu, tree_lo=t, anc=a)
+             for t, a in ((None, None), (lo, anc))]
+    monkeypatch.setattr(pa, "SCORES_PER_TILE", 1)          # (the smallest tiles: one query,
+    monkeypatch.setattr(pa, "KEY_BLOCK", 16)               # keys 16 at a time)
+    for want, (t, a) in zip(whole, ((None, None), (lo, anc))):
+        # (traced afresh: the jitted function's cache holds the one-pass form)
+        got = pa.ragged_paged_attention_reference.__wrapped__(q, k, v, bt, kv_lens, cu, tree_lo=t, anc=a)
+        check(got, want, jnp.float32)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
 def test_ragged_reference_with_multi_rows_matches_the_full_one(case, dtype):
