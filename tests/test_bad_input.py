@@ -138,6 +138,7 @@ def healthy(client, url):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
 
 
+@pytest.mark.extended          # (the quick suite's time is spent)
 def test_a_lone_surrogate_is_served_replaced(url):
     """JSON allows an unpaired "\\ud800" (a client cutting between an emoji's halves): every protocol
     serves it with U+FFFD in its place, as the same text with U+FFFD would be."""
@@ -159,6 +160,7 @@ def test_a_lone_surrogate_is_served_replaced(url):
 IMAGE_URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
 
 
+@pytest.mark.extended          # (the quick suite's time is spent)
 def test_images_in_tool_results_become_a_note(url):
     """Vision is off (every model today): an image a tool returned (Claude Code reading an image
     file, Codex's view_image) is a short note in the prompt, in every protocol; an image anywhere
@@ -186,6 +188,7 @@ def test_images_in_tool_results_become_a_note(url):
         assert r.status_code == 400 and "vision is disabled" in r.json()["error"]["message"]
 
 
+@pytest.mark.extended          # (the quick suite's time is spent)
 def test_anthropic_thinking_variants(url):
     """between_tools thinks only when the turn continues after tool results; display "updates" and
     effort (with thinking off too) are taken."""

@@ -112,6 +112,7 @@ def test_logprobs_and_top_logprobs(tiny):
         assert lp <= 0 and alts[0][1] >= alts[1][1] >= alts[2][1]
 
 
+@pytest.mark.extended
 def test_prompt_logprobs_match_a_full_forward(tiny):
     """prompt_logprobs: each prompt token's logprob after the tokens before it (and the best
     alternatives there), equal to a whole-sequence forward's, whether the prompt is prefilled in one

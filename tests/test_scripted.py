@@ -93,6 +93,7 @@ def test_every_protocol_renders_the_calls(scripted):
         assert msg.content[0].thinking == ""                                                  # its text does not
 
 
+@pytest.mark.extended
 def test_root_one_of_parameters_are_typed(scripted):
     """A tool whose parameters are a root oneOf: each argument is typed by the branch that names it,
     in both formats ("123" for a string stays a string, 2 for an integer is one), and a forced or
@@ -110,6 +111,7 @@ def test_root_one_of_parameters_are_typed(scripted):
         assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"ref": "123"}]
 
 
+@pytest.mark.extended
 def test_responses_cut_by_max_output_tokens_mark_the_message_incomplete(scripted):
     url, _ = scripted
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

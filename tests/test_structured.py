@@ -61,6 +61,7 @@ def test_forced_tool_named_and_required(client):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
 
 
+@pytest.mark.extended
 def test_forced_tool_with_a_root_one_of(client):
     """Parameters that are a root oneOf (either a city or coordinates): the forced call is
     constrained to one of the branches (oneOf read as anyOf: llguidance cannot check "exactly one")."""
