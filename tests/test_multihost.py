@@ -76,8 +76,9 @@ def test_serve_on_two_processes(smollm):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == " Paris.\n\nThe answer is:"
         leader.send_signal(signal.SIGINT)                      # the leader stops; so does the follower
-        assert leader.wait(timeout=60) is not None
-        assert follower.wait(timeout=60) == 0, follower.stderr.read()
+        # (after the step in flight: under the extended run's load, a warm-up compile can take a minute+)
+        assert leader.wait(timeout=240) is not None
+        assert follower.wait(timeout=120) == 0, follower.stderr.read()
     finally:
         for p in (leader, follower):
             p.kill()
