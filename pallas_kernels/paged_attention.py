@@ -144,17 +144,28 @@ def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale
     S = K.shape[1]
     sidx = jnp.arange(S)
 
-    def tile(t):
-        """Queries t [T] of every row -> their outputs [B, T, nH, hd]."""
+    def queries(t):
+        """Queries t [T] of every row: (q [B, T, nKV, G, hd], positions [B, T], a function of key
+        slots [Sk] -> the scores of those keys [B, nKV, G, T, Sk] from keys [B, Sk, nKV, hd] and
+        their row scales, -inf where a query does not see the key)."""
         idx = starts[:, None] + t[None, :]                                         # [B, T]
         qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, -1, nKV, nH // nKV, hd)          # [B, T, nKV, G, hd]
         pos = (kv_lens - q_lens)[:, None] + t[None, :]                             # [B, T]
-        s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, K, preferred_element_type=jnp.float32), ks) * scale
-        visible = (sidx[None, None, :] <= pos[:, :, None]) & (sidx[None, None, :] < kv_lens[:, None, None])
-        if tree_lo is not None:
-            a = anc[jnp.clip(idx, 0, N - 1)]                                       # [B, T]
-            visible &= tree_visible(sidx[None, None, :], tree_lo[:, None, None], a[:, :, None])
-        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        a = None if tree_lo is None else anc[jnp.clip(idx, 0, N - 1)]              # [B, T]
+
+        def scores(sk, keys, key_scales):
+            s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, keys, preferred_element_type=jnp.float32),
+                        key_scales) * scale
+            visible = (sk[None, None, :] <= pos[:, :, None]) & (sk[None, None, :] < kv_lens[:, None, None])
+            if a is not None:
+                visible &= tree_visible(sk[None, None, :], tree_lo[:, None, None], a[:, :, None])
+            return jnp.where(visible[:, None, None], s, -jnp.inf)
+        return pos, scores
+
+    def tile(t):
+        """Queries t [T] of every row -> their outputs [B, T, nH, hd]."""
+        _, scores = queries(t)
+        s = scores(sidx, K, ks)
         p = jax.nn.softmax(s, axis=-1)
         p = _by_key(jnp.where(jnp.isnan(p), 0.0, p), vs)                           # (NaN: padded query rows)
         o = jnp.einsum("bkgts,bskd->btkgd", p.astype(V.dtype), V, preferred_element_type=jnp.float32)
@@ -165,10 +176,7 @@ def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale
     def tile_in_blocks(t):
         """tile(t), walking the keys KB at a time with an online softmax, and only as far as the
         tile's queries see (a tile of padding: no step at all)."""
-        idx = starts[:, None] + t[None, :]                                         # [B, T]
-        qp = q[jnp.clip(idx, 0, N - 1)].reshape(B, -1, nKV, nH // nKV, hd)          # [B, T, nKV, G, hd]
-        pos = (kv_lens - q_lens)[:, None] + t[None, :]                             # [B, T]
-        a = None if tree_lo is None else anc[jnp.clip(idx, 0, N - 1)]
+        pos, scores = queries(t)
         seen = jnp.where(t[None, :] < q_lens[:, None], jnp.minimum(pos + 1, kv_lens[:, None]), 0)
         steps = (jnp.max(seen) + KB - 1) // KB
 
@@ -176,12 +184,7 @@ def _ragged_rows(q, k_pool, v_pool, block_tables, kv_lens, starts, q_lens, scale
             j, m, den, acc = c
             cut = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * KB, KB, axis=1)  # noqa: E731
             Kj, Vj, ksj, vsj = cut(K), cut(V), cut(ks), cut(vs)
-            sj = j * KB + jnp.arange(KB)
-            s = _by_key(jnp.einsum("btkgd,bskd->bkgts", qp, Kj, preferred_element_type=jnp.float32), ksj) * scale
-            visible = (sj[None, None, :] <= pos[:, :, None]) & (sj[None, None, :] < kv_lens[:, None, None])
-            if a is not None:
-                visible &= tree_visible(sj[None, None, :], tree_lo[:, None, None], a[:, :, None])
-            s = jnp.where(visible[:, None, None], s, -jnp.inf)
+            s = scores(j * KB + jnp.arange(KB), Kj, ksj)
             m_new = jnp.maximum(m, s.max(-1))                                      # [B, nKV, G, T]
             base = jnp.where(jnp.isinf(m_new), 0.0, m_new)
             p = jnp.exp(s - base[..., None])
